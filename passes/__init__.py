@@ -1,0 +1,1 @@
+"""Graph passes of the specc pipeline: one module per pass, each ExportedProgram -> ExportedProgram."""

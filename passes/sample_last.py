@@ -1,0 +1,32 @@
+"""Pass `sample_last`: a prefill chunk returns only the token that follows its last valid row."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specc.pipeline import example_inputs, retrace
+from specc.verify import accept
+
+
+class SampleLast(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.parents = (-1,)
+        self.register_buffer("child_table", torch.full((1, 1), -1, dtype=torch.int64), persistent=False)
+
+    def forward(self, tokens, base_len, n_valid, temperature, top_p, uniforms):
+        logits, *taps = self.inner(tokens, base_len)
+        last = logits[0].index_select(0, (n_valid - 1).view(1))
+        _, _, out = accept(last, tokens[:1], self.parents, self.child_table, temperature, top_p, uniforms)
+        return (out[0], *taps)
+
+
+def sample_last(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Invariant: inputs are (tokens [C], base_len [], n_valid [], temperature [], top_p [],
+    uniforms [2]); the output is the next token after row n_valid - 1, drawn by the same rule as a
+    decode step (argmax at temperature 0). Rows past n_valid are padding whose cache writes land
+    beyond the committed length and are overwritten later."""
+    tokens, base_len = example_inputs(ep)
+    args = (tokens, base_len, torch.tensor(1), torch.tensor(0.0), torch.tensor(1.0), torch.zeros(2))
+    return retrace(SampleLast(ep.module()), args)

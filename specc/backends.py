@@ -1,0 +1,133 @@
+"""Lowering: each finished ExportedProgram becomes a callable `graph(state, *inputs)`.
+
+* eager: the reference. The program's module runs in Python with the engine's tensors bound in.
+* inductor: an AOTInductor `.pt2` package. Weights and KV caches are *inputs* of the compiled
+  graph (a dict), so one set of tensors in memory serves every graph of an engine, the packages
+  hold code only, and a package can be reused for any model with the same graph (the compile
+  cache is keyed on the graph text, shapes and versions, not on weight values).
+* onnx, tensorrt: named in the design, not built yet here; they fail with one sentence.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import SpeccError
+from .models import cache_dir
+from .pipeline import canonical_name
+
+BACKENDS = ("eager", "inductor", "onnx", "tensorrt")
+
+
+def check_backend(name: str) -> None:
+    if name not in BACKENDS:
+        raise SpeccError(f"--backend {name!r} is unknown; use one of {', '.join(BACKENDS)}.")
+    if name == "tensorrt":
+        try:
+            import torch_tensorrt  # noqa: F401
+        except ImportError:
+            raise SpeccError("the tensorrt backend needs torch-tensorrt and TensorRT on a CUDA machine, "
+                             "and torch_tensorrt is not installed here; use --backend inductor or eager.") from None
+        raise SpeccError("the tensorrt backend is not implemented in this version of specc; "
+                         "use --backend inductor or eager.")
+    if name == "onnx":
+        raise SpeccError("the onnx backend is not implemented in this version of specc; "
+                         "use --backend inductor or eager.")
+
+
+def state_names(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Map each of the module's parameter/buffer names that the engine owns to its canonical name."""
+    names = {}
+    for fqn, _ in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False)):
+        canon = canonical_name(fqn)
+        if canon in state:
+            names[fqn] = canon
+    return names
+
+
+def _set_tensor(module: nn.Module, fqn: str, value: torch.Tensor) -> None:
+    owner_name, _, leaf = fqn.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if leaf in owner._parameters:
+        owner._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    else:
+        owner._buffers[leaf] = value
+
+
+class EagerGraph:
+    """Runs an exported program's module with the engine's weights and caches bound in place."""
+
+    def __init__(self, ep: torch.export.ExportedProgram, state: dict[str, torch.Tensor]):
+        self.module = ep.module()
+        for fqn, canon in state_names(self.module, state).items():
+            _set_tensor(self.module, fqn, state[canon])
+
+    def __call__(self, *args):
+        with torch.no_grad():
+            return self.module(*args)
+
+
+class Lifted(nn.Module):
+    """The program with the engine's tensors as an explicit dict input (for AOTInductor)."""
+
+    def __init__(self, module: nn.Module, names: dict[str, str]):
+        super().__init__()
+        # Not a registered submodule: its own copies of the engine's tensors must not become extra
+        # (aliased) inputs or packaged constants; functional_call swaps the dict's tensors in.
+        object.__setattr__(self, "module", module)
+        self.names = names
+
+    def forward(self, state, *args):
+        return torch.func.functional_call(self.module, {fqn: state[c] for fqn, c in self.names.items()}, args)
+
+
+def graph_state_keys(ep: torch.export.ExportedProgram, state: dict[str, torch.Tensor]) -> list[str]:
+    return sorted(set(state_names(ep.module(), state).values()))
+
+
+def compile_inductor(ep: torch.export.ExportedProgram, state: dict[str, torch.Tensor], out_path: Path,
+                     example_args: tuple) -> list[str]:
+    """Compile to an AOTInductor package at out_path (through the compile cache); returns the state keys it takes."""
+    module = ep.module()
+    names = state_names(module, state)
+    keys = sorted(set(names.values()))
+    sub = {k: state[k] for k in keys}
+    with torch.no_grad():
+        lifted_ep = torch.export.export(Lifted(module, names), (sub, *example_args), strict=False)
+    key_src = "\n".join([
+        lifted_ep.graph_module.code,
+        repr([(k, tuple(v.shape), str(v.dtype)) for k, v in sub.items()]),
+        repr([(tuple(a.shape), str(a.dtype)) for a in example_args]),
+        repr({n: repr(c) for n, c in lifted_ep.constants.items()}),
+        torch.__version__, "specc-aoti-1",
+    ])
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:32]
+    cached = cache_dir() / "aoti" / f"{key}.pt2"
+    if not cached.is_file():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".tmp{os.getpid()}.pt2")
+        try:
+            torch._inductor.aoti_compile_and_package(lifted_ep, package_path=str(tmp))
+            tmp.replace(cached)
+        finally:
+            tmp.unlink(missing_ok=True)
+    shutil.copyfile(cached, out_path)
+    return keys
+
+
+class InductorGraph:
+    def __init__(self, path: Path, state: dict[str, torch.Tensor], keys: list[str]):
+        missing = [k for k in keys if k not in state]
+        if missing:
+            raise SpeccError(f"graph {path.name} needs tensor {missing[0]!r}, which the engine does not have.")
+        self.runner = torch._inductor.aoti_load_package(str(path))
+        self.state = {k: state[k] for k in keys}
+
+    def __call__(self, *args):
+        with torch.no_grad():
+            return self.runner(self.state, *args)

@@ -1,0 +1,138 @@
+"""Capture: the target as a batch-1 module with a static KV cache held as buffers, and its export.
+
+`TargetModule` runs a Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) over the Hugging Face
+model's own submodules (embedding, norms, projections, MLPs, rotary embedding), so the weights
+and their numerics are exactly the model's. What it adds is what a static step graph needs:
+
+* the KV cache is one pair of registered buffers per layer, [1, n_kv_heads, cache_len, head_dim],
+  written in place with index_copy_ at explicit cache positions;
+* positions and the additive float mask [1, 1, T, cache_len] are inputs, so the same module
+  serves a causal prefill chunk and a token tree;
+* grouped-query attention folds the query group into the query length instead of repeating
+  K/V over the whole cache;
+* any decoder layer's output can be returned as a hidden-state tap.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import SpeccError
+from .models import check_architecture
+
+NEG_INF = -1e9  # large negative, not -inf: a fully masked row stays finite instead of NaN
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Block(nn.Module):
+    """One decoder layer plus its slice of the KV cache."""
+
+    def __init__(self, layer, cache_len: int, n_heads: int, n_kv: int, head_dim: int, dtype):
+        super().__init__()
+        attn = layer.self_attn
+        self.input_layernorm = layer.input_layernorm
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.q_norm = getattr(attn, "q_norm", None)  # Qwen3 normalises q and k per head
+        self.k_norm = getattr(attn, "k_norm", None)
+        self.mlp = layer.mlp
+        self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv, head_dim
+        self.scaling = getattr(attn, "scaling", head_dim ** -0.5)
+        self.register_buffer("k_cache", torch.zeros(1, n_kv, cache_len, head_dim, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(1, n_kv, cache_len, head_dim, dtype=dtype), persistent=False)
+
+    def forward(self, x, cos, sin, cache_pos, mask):
+        T = x.shape[1]
+        H, KV, D = self.n_heads, self.n_kv, self.head_dim
+        h = self.input_layernorm(x)
+        q = self.q_proj(h).view(1, T, H, D)
+        k = self.k_proj(h).view(1, T, KV, D)
+        v = self.v_proj(h).view(1, T, KV, D).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        self.k_cache.index_copy_(2, cache_pos, k)
+        self.v_cache.index_copy_(2, cache_pos, v)
+        # Heads h = kv * G + g share kv head kv: fold g into the query length, never copy K/V.
+        G = H // KV
+        qg = q.reshape(1, KV, G * T, D)
+        mg = mask.repeat(1, 1, G, 1) if G > 1 else mask
+        o = F.scaled_dot_product_attention(qg, self.k_cache, self.v_cache, attn_mask=mg, scale=self.scaling)
+        o = o.reshape(1, H, T, D).transpose(1, 2).reshape(1, T, H * D)
+        x = x + self.o_proj(o)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TargetModule(nn.Module):
+    """forward(tokens [1,T], positions [1,T], cache_pos [T], mask [1,1,T,S]) -> (logits [1,T,V], *taps)."""
+
+    def __init__(self, hf_model, cache_len: int, n_layers: int | None = None, taps: tuple[int, ...] = ()):
+        super().__init__()
+        cfg = hf_model.config
+        self.arch = check_architecture(cfg)
+        base = hf_model.model
+        n_total = len(base.layers)
+        n_layers = n_total if n_layers is None else n_layers
+        if not 1 <= n_layers <= n_total:
+            raise SpeccError(f"a draft model truncated to {n_layers} layers is impossible: the target has {n_total}.")
+        for t in taps:
+            if not 0 <= t < n_layers:
+                raise SpeccError(f"hidden-state tap {t} is outside the model's {n_layers} layers.")
+        n_heads = cfg.num_attention_heads
+        n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+        dtype = base.embed_tokens.weight.dtype
+        self.config = cfg
+        self.cache_len, self.n_layers, self.taps = cache_len, n_layers, tuple(taps)
+        self.vocab_size = hf_model.lm_head.out_features
+        self.embed_tokens = base.embed_tokens
+        self.rotary_emb = base.rotary_emb
+        self.blocks = nn.ModuleList(
+            Block(base.layers[i], cache_len, n_heads, n_kv, head_dim, dtype) for i in range(n_layers))
+        self.norm = base.norm
+        self.lm_head = hf_model.lm_head
+
+    def forward(self, tokens, positions, cache_pos, mask):
+        x = self.embed_tokens(tokens)
+        cos, sin = self.rotary_emb(x, positions)
+        cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+        taps = []
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, cache_pos, mask)
+            if i in self.taps:
+                taps.append(x)
+        logits = self.lm_head(self.norm(x)).float()
+        return (logits, *taps)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Every tensor the runtime owns (weights and caches) under its canonical name."""
+        out = dict(self.named_parameters())
+        out.update(self.named_buffers())
+        return out
+
+
+def sliding_window_limit(config) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if window is None or (hasattr(config, "use_sliding_window") and not config.use_sliding_window):
+        return None
+    return int(window)
+
+
+def causal_mask(T: int, start: int, cache_len: int) -> torch.Tensor:
+    """Additive mask [1,1,T,S] for T consecutive tokens written at start.. (a plain causal chunk)."""
+    rows = torch.arange(T).unsqueeze(1) + start
+    cols = torch.arange(cache_len).unsqueeze(0)
+    return torch.where(cols <= rows, 0.0, NEG_INF).view(1, 1, T, cache_len)
+
+
+def capture(module: nn.Module, example_args: tuple) -> torch.export.ExportedProgram:
+    """torch.export with static shapes; the cache writes stay in the graph as buffer mutations."""
+    with torch.no_grad():
+        return torch.export.export(module, example_args, strict=False)

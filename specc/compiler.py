@@ -1,0 +1,289 @@
+"""specc.compile and specc.load: the whole pipeline, top to bottom.
+
+    load target (+ drafter) -> capture each graph -> passes -> lower (eager | inductor)
+    -> artifact directory (manifest + safetensors + graphs) -> Engine
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from . import __version__
+from .backends import EagerGraph, InductorGraph, check_backend, compile_inductor
+from .capture import TargetModule, capture, causal_mask, sliding_window_limit
+from .drafters import DraftModelDrafter, NgramDrafter, check_drafter
+from .errors import SpeccError
+from .models import load_model, parse_dtype, sha256_file
+from .pipeline import Pipeline, example_inputs
+from .runtime import Engine
+from .tree import Tree, chain, parse_tree, tree_from_paths
+from specc.passes.compact_kv import compact_kv
+from specc.passes.sample_last import sample_last
+from specc.passes.tree_inputs import tree_inputs
+from specc.passes.verify import verify
+
+FORMAT_VERSION = 1
+MANIFEST = "specc.json"
+DEFAULT_TREE = {"none": "chain:0", "ngram": "chain:4", "draft-model": "chain:4"}
+
+
+@dataclass
+class GraphPlan:
+    name: str
+    module: str  # "target" | "draft": whose tensors the graph runs on
+    T: int  # tokens per call
+    pipeline: Pipeline
+
+
+def graph_plans(tree: Tree, drafter: str, chunk: int, cache_len: int) -> list[GraphPlan]:
+    """Which graphs an engine holds, and the passes that make each one from the captured model."""
+    def decode(t: Tree) -> Pipeline:
+        return (Pipeline().add("tree_inputs", lambda ep: tree_inputs(ep, t, cache_len))
+                .add("verify", lambda ep: verify(ep, t)).add("compact_kv", lambda ep: compact_kv(ep, t)))
+
+    prefill = (Pipeline().add("tree_inputs", lambda ep: tree_inputs(ep, chain(chunk - 1), cache_len))
+               .add("sample_last", sample_last))
+    plans = [GraphPlan("prefill", "target", chunk, prefill), GraphPlan("plain", "target", 1, decode(chain(0)))]
+    if drafter != "none":
+        plans.append(GraphPlan("step", "target", tree.size, decode(tree)))
+    if drafter == "draft-model":
+        plans.append(GraphPlan("draft_prefill", "draft", chunk, prefill))
+        plans.append(GraphPlan("draft_step", "draft", 1, decode(chain(0))))
+    return plans
+
+
+def build_program(plan: GraphPlan, module: TargetModule, dump_dir: Path | None = None):
+    T, S = plan.T, module.cache_len
+    args = (torch.zeros(1, T, dtype=torch.int64), torch.arange(T).view(1, T), torch.arange(T), causal_mask(T, 0, S))
+    ep = capture(module, args)
+    return plan.pipeline.run(ep, dump_dir=dump_dir, label=plan.name)
+
+
+def _drafter_model(drafter: str, drafter_path, drafter_layers, target, dtype):
+    """The draft model's HF module, and its manifest entry."""
+    if drafter_path is None:
+        n = drafter_layers or max(1, target.model.config.num_hidden_layers // 4)
+        return target.model, n, {"source": "target", "layers": n}
+    d = load_model(drafter_path, dtype, with_tokenizer=False)
+    tv, dv = target.model.lm_head.out_features, d.model.lm_head.out_features
+    if tv != dv:
+        raise SpeccError(f"the drafter's vocabulary ({dv} tokens) differs from the target's ({tv} tokens); "
+                         f"a draft model must share the target's tokenizer.")
+    n = drafter_layers or d.model.config.num_hidden_layers
+    return d.model, n, {"source": "model", "layers": n, "name": d.name}
+
+
+def _eos_ids(model) -> list[int]:
+    ids = []
+    for cfg in (getattr(model, "generation_config", None), model.config):
+        e = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if e is not None:
+            ids += list(e) if isinstance(e, (list, tuple)) else [e]
+    return sorted(set(int(i) for i in ids))
+
+
+def compile(model=None, drafter: str = "none", tree: str | None = None, backend: str = "eager",
+            output_dir=None, drafter_path=None, drafter_layers: int | None = None, dtype: str = "float32",
+            max_len: int = 1024, prefill_chunk: int = 32, dump_ir=None, progress: bool = True) -> Path:
+    """Compile MODEL (HF dir, .gguf, or None for the embedded default) into an engine directory."""
+    # 1. Check every argument before any slow work.
+    if output_dir is None:
+        raise SpeccError("an output directory is required (-o DIR).")
+    out = Path(output_dir)
+    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / MANIFEST).is_file())):
+        raise SpeccError(f"output {str(out)!r} exists and is not a specc engine directory; refusing to overwrite it.")
+    check_backend(backend)
+    check_drafter(drafter)
+    torch_dtype = parse_dtype(dtype)
+    if not 2 <= max_len <= 1 << 20:
+        raise SpeccError(f"--max-len {max_len} is out of range; use a length from 2 to 1048576.")
+    if not 1 <= prefill_chunk <= 4096:
+        raise SpeccError(f"--prefill-chunk {prefill_chunk} is out of range; use 1 to 4096.")
+    tree_spec = tree or DEFAULT_TREE.get(drafter, "chain:4")
+    tr = parse_tree(tree_spec)
+    if drafter == "none" and tr.size > 1:
+        raise SpeccError(f"--tree {tree_spec} needs a drafter to fill it; add --drafter ngram or draft-model.")
+    if drafter != "none" and tr.size < 2:
+        raise SpeccError(f"--tree {tree_spec} has no draft tokens; use chain:K with K >= 1.")
+    if drafter != "draft-model" and (drafter_path is not None or drafter_layers is not None):
+        raise SpeccError("--drafter-path and --drafter-layers only apply to --drafter draft-model.")
+    if drafter in ("ngram", "draft-model") and not tr.is_chain:
+        raise SpeccError(f"the {drafter} drafter proposes a chain in this version; use --tree chain:K.")
+
+    # 2. Load the models.
+    target = load_model(model, torch_dtype)
+    cfg = target.model.config
+    window = sliding_window_limit(cfg)
+    if window is not None and max_len > window:
+        raise SpeccError(f"the model uses sliding-window attention of {window} tokens; use --max-len {window} or less.")
+    cache_len = max_len + max(prefill_chunk, tr.size)
+    target_module = TargetModule(target.model, cache_len)
+    draft_module, draft_entry = None, {"kind": drafter}
+    if drafter == "draft-model":
+        hf, n, info = _drafter_model(drafter, drafter_path, drafter_layers, target, torch_dtype)
+        draft_module = TargetModule(hf, cache_len, n_layers=n)
+        draft_entry.update(info)
+        draft_hf = hf if info["source"] == "model" else None
+    elif drafter == "ngram":
+        draft_entry.update({"max_ngram": 4})
+
+    # 3. Capture, run the passes, lower; everything goes to a staging directory first.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        plans = graph_plans(tr, drafter, prefill_chunk, cache_len)
+        graphs = {}
+        bar = tqdm(plans, desc=f"compile ({backend})", unit="graph", disable=not progress)
+        for plan in bar:
+            bar.set_postfix_str(plan.name)
+            module = target_module if plan.module == "target" else draft_module
+            ep = build_program(plan, module, Path(dump_ir) if dump_ir else None)
+            args = example_inputs(ep)
+            entry = {"module": plan.module, "tokens": plan.T, "passes": plan.pipeline.names,
+                     "inputs": [[list(a.shape), str(a.dtype)] for a in args], "file": None}
+            if backend == "inductor":
+                (stage / "graphs").mkdir(exist_ok=True)
+                rel = f"graphs/{plan.name}.pt2"
+                entry["state_keys"] = compile_inductor(ep, module.state(), stage / rel, args)
+                entry["file"] = rel
+            graphs[plan.name] = entry
+        bar.close()
+
+        # 4. Weights (safetensors) and tokenizer.
+        target.model.save_pretrained(stage / "target")
+        if target.tokenizer is not None:
+            target.tokenizer.save_pretrained(stage / "target")
+        if drafter == "draft-model" and draft_hf is not None:
+            draft_hf.save_pretrained(stage / "draft")
+        for p in stage.rglob("*"):
+            if p.suffix in (".bin", ".pkl", ".pickle", ".pt"):
+                raise SpeccError(f"refusing to write pickled file {p.name} into the engine.")
+
+        # 5. Manifest: versions, what was compiled, and the sha256 of every file.
+        try:
+            import triton
+            triton_version = triton.__version__
+        except ImportError:
+            triton_version = None
+        import transformers
+
+        files = {str(p.relative_to(stage)): sha256_file(p) for p in sorted(stage.rglob("*")) if p.is_file()}
+        manifest = {
+            "format_version": FORMAT_VERSION, "specc_version": __version__, "torch_version": torch.__version__,
+            "triton_version": triton_version, "transformers_version": transformers.__version__,
+            "platform": platform.machine(),
+            "target": {"name": target.name, "source": target.source, "arch": target_module.arch,
+                       "num_layers": cfg.num_hidden_layers, "vocab_size": target_module.vocab_size,
+                       "eos_token_ids": _eos_ids(target.model), "config": cfg.to_dict(),
+                       "weights_sha256": files.get("target/model.safetensors")},
+            "drafter": draft_entry, "tree": {"spec": tree_spec, **tr.to_manifest()},
+            "backend": backend, "dtype": str(torch_dtype).replace("torch.", ""), "max_len": max_len,
+            "prefill_chunk": prefill_chunk, "cache_len": cache_len, "graphs": graphs, "files": files,
+        }
+        (stage / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+
+        # 6. Swap the finished directory into place.
+        if out.exists():
+            trash = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(trash)
+            stage.rename(out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            stage.rename(out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return out
+
+
+def read_manifest(path) -> dict:
+    path = Path(path)
+    mf = path / MANIFEST
+    if not mf.is_file():
+        raise SpeccError(f"{str(path)!r} is not a specc engine directory (no {MANIFEST}); create one with `specc compile`.")
+    try:
+        manifest = json.loads(mf.read_text())
+    except ValueError:
+        raise SpeccError(f"{mf} is not valid JSON; compile the engine again.") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise SpeccError(f"engine format {manifest.get('format_version')} is not the format this specc reads "
+                         f"({FORMAT_VERSION}); compile the engine again.")
+    return manifest
+
+
+def verify_files(path: Path, manifest: dict) -> None:
+    for rel, digest in manifest["files"].items():
+        f = path / rel
+        if not f.is_file():
+            raise SpeccError(f"engine file {rel} is missing from {str(path)!r}; compile the engine again.")
+        if sha256_file(f) != digest:
+            raise SpeccError(f"engine file {rel} does not match its recorded sha256, so the engine was modified "
+                             f"or damaged; compile it again.")
+
+
+def load(path, check_hashes: bool = True) -> Engine:
+    """Open an engine directory: validate manifest, hashes, versions and shapes, then build the runtime."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    manifest = read_manifest(path)
+    if check_hashes:
+        verify_files(path, manifest)
+    backend = manifest["backend"]
+    if backend == "inductor" and manifest["torch_version"] != torch.__version__:
+        raise SpeccError(f"the engine's graphs were built with torch {manifest['torch_version']} but this is torch "
+                         f"{torch.__version__}; compile the engine again.")
+    dtype = parse_dtype(manifest["dtype"])
+    model = AutoModelForCausalLM.from_pretrained(path / "target", dtype=dtype).eval().requires_grad_(False)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path / "target")
+    except Exception:
+        tokenizer = None
+    cache_len, chunk = manifest["cache_len"], manifest["prefill_chunk"]
+    tr = tree_from_paths(manifest["tree"]["paths"])
+    modules = {"target": TargetModule(model, cache_len)}
+    dr = manifest["drafter"]
+    if dr["kind"] == "draft-model":
+        hf = model if dr["source"] == "target" else AutoModelForCausalLM.from_pretrained(
+            path / "draft", dtype=dtype).eval().requires_grad_(False)
+        modules["draft"] = TargetModule(hf, cache_len, n_layers=dr["layers"])
+    states = {k: m.state() for k, m in modules.items()}
+    graphs = {}
+    plans = {p.name: p for p in graph_plans(tr, dr["kind"], chunk, cache_len)}
+    for name, entry in manifest["graphs"].items():
+        if name not in plans or plans[name].T != entry["tokens"]:
+            raise SpeccError(f"graph {name} in the manifest does not match this engine's tree and drafter; "
+                             f"compile the engine again.")
+        state = states[entry["module"]]
+        if backend == "eager":
+            graphs[name] = EagerGraph(build_program(plans[name], modules[entry["module"]]), state)
+        else:
+            graphs[name] = InductorGraph(path / entry["file"], state, entry["state_keys"])
+        graphs[name] = _checked(graphs[name], name, entry["inputs"])
+    drafter = None
+    if dr["kind"] == "ngram":
+        drafter = NgramDrafter(tr, dr.get("max_ngram", 4))
+    elif dr["kind"] == "draft-model":
+        drafter = DraftModelDrafter(tr, graphs["draft_prefill"], graphs["draft_step"], chunk)
+    return Engine(manifest, graphs, tokenizer, drafter, tr, path=path)
+
+
+def _checked(graph, name: str, inputs: list):
+    """Compiled graphs do not check shapes (a wrong one reads out of bounds): check them on every call."""
+    expected = [(tuple(s), d) for s, d in inputs]
+
+    def call(*args):
+        for i, (a, (shape, dt)) in enumerate(zip(args, expected)):
+            if tuple(a.shape) != shape or str(a.dtype) != dt:
+                raise SpeccError(f"graph {name} input {i} has shape {tuple(a.shape)} {a.dtype}, expected {shape} {dt}.")
+        return graph(*args)
+
+    return call

@@ -1,0 +1,101 @@
+"""Drafters that need no training: n-gram prompt lookup and a smaller draft model.
+
+Both propose deterministic drafts (q is one-hot), which the verifier accepts with the exact
+one-hot rule, so sampling stays lossless without a drafter distribution.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .errors import SpeccError
+from .tree import Tree
+
+DRAFTERS = ("none", "ngram", "draft-model", "mtp", "dflash", "dspark")
+
+
+def check_drafter(name: str) -> None:
+    if name not in DRAFTERS:
+        raise SpeccError(f"--drafter {name!r} is unknown; use one of {', '.join(DRAFTERS)}.")
+    if name in ("mtp", "dflash", "dspark"):
+        raise SpeccError(f"the {name} drafter needs trained heads and is not available in this version of "
+                         f"specc; use --drafter ngram or draft-model.")
+
+
+def ngram_propose(tokens: np.ndarray, k: int, max_ngram: int = 4, min_ngram: int = 1) -> list[int]:
+    """Prompt lookup: the k tokens that followed the most recent earlier occurrence of the longest
+    suffix (max_ngram down to min_ngram tokens) of `tokens`. Fewer than k when the match runs into
+    the end; empty when nothing matches."""
+    n = len(tokens)
+    for size in range(min(max_ngram, n - 1), min_ngram - 1, -1):
+        suffix = tokens[n - size:]
+        # windows[i] = tokens[i : i+size]; an earlier match must start at i < n - size.
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: n - 1], size)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + size
+            return tokens[start: start + k].tolist()
+    return []
+
+
+class NgramDrafter:
+    kind = "ngram"
+
+    def __init__(self, tree: Tree, max_ngram: int = 4):
+        if not tree.is_chain:
+            raise SpeccError("the ngram drafter proposes a chain in this version; use --tree chain:K.")
+        self.k, self.max_ngram = tree.size - 1, max_ngram
+
+    def start(self, prompt_ids: list[int], temperature, top_p) -> None:
+        self.buf = np.array(prompt_ids, dtype=np.int64)
+
+    def propose(self, committed: list[int]) -> tuple[list[int], bool]:
+        """Drafts for the tree's non-root nodes, and whether anything matched (else the step can be plain)."""
+        if len(self.buf) < len(committed):
+            self.buf = np.asarray(committed, dtype=np.int64)
+        drafts = ngram_propose(self.buf, self.k, self.max_ngram)
+        found = len(drafts) > 0
+        drafts = drafts + [drafts[-1] if drafts else committed[-1]] * (self.k - len(drafts))
+        return drafts, found
+
+    def accepted(self, committed: list[int], n_accepted: int) -> None:
+        self.buf = np.asarray(committed, dtype=np.int64)
+
+
+class DraftModelDrafter:
+    """A smaller causal LM (or the target's first N layers) decoding greedily with its own KV cache."""
+
+    kind = "draft-model"
+
+    def __init__(self, tree: Tree, prefill, step, chunk: int):
+        if not tree.is_chain:
+            raise SpeccError("the draft-model drafter proposes a chain in this version; use --tree chain:K.")
+        self.k, self.prefill_graph, self.step_graph, self.chunk = tree.size - 1, prefill, step, chunk
+        self.zero, self.one = torch.tensor(0.0), torch.tensor(1.0)
+        self.u1 = torch.zeros(2)
+
+    def start(self, prompt_ids: list[int], temperature, top_p) -> None:
+        C = self.chunk
+        for start in range(0, len(prompt_ids), C):
+            piece = prompt_ids[start:start + C]
+            toks = torch.tensor(piece + [0] * (C - len(piece)), dtype=torch.int64)
+            self.prefill_graph(toks, torch.tensor(start), torch.tensor(len(piece)), self.zero, self.one, self.u1)
+        self.cached = len(prompt_ids)  # tokens whose K/V the drafter holds
+
+    def _next(self, token: int, pos: int) -> int:
+        _, _, out = self.step_graph(torch.tensor([token]), torch.tensor(pos), self.zero, self.one, self.u1)
+        return int(out[0])
+
+    def propose(self, committed: list[int]) -> tuple[list[int], bool]:
+        nxt = None
+        for pos in range(self.cached, len(committed)):  # catch up on tokens committed since last time
+            nxt = self._next(committed[pos], pos)
+        drafts = [nxt]
+        for i in range(self.k - 1):
+            drafts.append(self._next(drafts[-1], len(committed) + i))
+        self.pending = len(committed)
+        return drafts, True
+
+    def accepted(self, committed: list[int], n_accepted: int) -> None:
+        # Draft j (1-based) was fed for j < k, so the drafter already holds the accepted ones below k.
+        self.cached = self.pending + min(n_accepted, self.k - 1)

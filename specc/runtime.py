@@ -1,0 +1,177 @@
+"""The runtime: a thin host loop around the compiled graphs of one engine (batch 1).
+
+prefill (static chunks) -> first token -> repeat the step graph: inputs are the committed
+length, the tree's tokens (root = last committed token, then the drafts), the sampling
+parameters and uniform random numbers; outputs are the number of accepted drafts and the
+accepted tokens followed by the bonus token. One host/device sync per step.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .errors import SpeccError
+
+
+@dataclass
+class Stats:
+    new_tokens: int = 0
+    steps: int = 0  # verify passes (speculative or plain)
+    tau: float = 0.0  # committed tokens per verify pass, bonus included
+    tokens_per_s: float = 0.0
+    wall_s: float = 0.0
+    prefill_s: float = 0.0
+    prompt_tokens: int = 0
+    stop: str = ""  # "eos" | "max_new_tokens" | "max_len"
+    accepted_hist: list[int] = field(default_factory=list)  # count of steps by accepted drafts
+
+    def as_dict(self) -> dict:
+        return {"new_tokens": self.new_tokens, "steps": self.steps, "tau": round(self.tau, 4),
+                "tokens_per_s": round(self.tokens_per_s, 3), "wall_s": round(self.wall_s, 4),
+                "prefill_s": round(self.prefill_s, 4), "prompt_tokens": self.prompt_tokens, "stop": self.stop,
+                "accepted_hist": self.accepted_hist}
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    text: str
+    stats: Stats
+
+
+class Engine:
+    """Holds the engine's tensors (weights + KV caches), graphs, tree and drafter; see `specc.load`."""
+
+    def __init__(self, manifest: dict, graphs: dict, tokenizer, drafter, tree, path=None):
+        self.manifest, self.graphs, self.tokenizer, self.drafter, self.tree = manifest, graphs, tokenizer, drafter, tree
+        self.path = path
+        self.max_len = manifest["max_len"]
+        self.chunk = manifest["prefill_chunk"]
+        self.eos = set(manifest["target"].get("eos_token_ids") or [])
+
+    # -- prompts ---------------------------------------------------------------------------
+    def encode(self, prompt, chat: bool = False) -> list[int]:
+        if isinstance(prompt, (list, tuple)):
+            ids = [int(t) for t in prompt]
+            vocab = self.manifest["target"]["vocab_size"]
+            if not ids or any(not 0 <= t < vocab for t in ids):
+                raise SpeccError(f"prompt token ids must be a non-empty list of ids in [0, {vocab}).")
+            return ids
+        if self.tokenizer is None:
+            raise SpeccError("this engine has no tokenizer, so prompts must be given as token ids.")
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise SpeccError("--chat was given but the model has no chat template.")
+            out = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                     add_generation_prompt=True, tokenize=True)
+            ids = list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        else:
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if not ids:
+            raise SpeccError("the prompt is empty after tokenisation.")
+        return list(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    # -- generation ------------------------------------------------------------------------
+    def _steps(self, ids: list[int], max_new_tokens: int, temperature: float, top_p: float, seed: int,
+               speculate: bool, stop_at_eos: bool, stats: Stats) -> Iterator[list[int]]:
+        """Yield the tokens committed by prefill, then by each step."""
+        L = len(ids)
+        if L >= self.max_len:
+            raise SpeccError(f"the prompt has {L} tokens, which does not fit --max-len {self.max_len} "
+                             f"(it must leave room for at least one new token).")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise SpeccError("temperature must be >= 0 and top-p must be in (0, 1].")
+        budget = min(max_new_tokens, self.max_len - L)
+        gen = torch.Generator().manual_seed(seed)
+        temp_t, top_p_t = torch.tensor(float(temperature)), torch.tensor(float(top_p))
+        drafter = self.drafter if speculate else None
+        step = self.graphs["step"] if drafter is not None else self.graphs["plain"]
+        T = self.tree.size if drafter is not None else 1
+        t0 = time.perf_counter()
+        # Prefill in static chunks; the last chunk's output is the first new token.
+        C = self.chunk
+        for start in range(0, L, C):
+            piece = ids[start:start + C]
+            toks = torch.tensor(piece + [0] * (C - len(piece)), dtype=torch.int64)
+            first = self.graphs["prefill"](toks, torch.tensor(start), torch.tensor(len(piece)), temp_t, top_p_t,
+                                           torch.rand(2, generator=gen))[0]
+        committed = ids + [int(first)]
+        if drafter is not None:
+            drafter.start(ids, temperature, top_p)
+        stats.prefill_s = time.perf_counter() - t0
+        stats.prompt_tokens = L
+        yield [int(first)]
+        produced = 1
+        if stop_at_eos and int(first) in self.eos:
+            stats.stop = "eos"
+            return
+        base_len = L  # tokens whose K/V are in the cache; the root committed[-1] is not yet
+        while produced < budget:
+            if drafter is not None:
+                drafts, found = drafter.propose(committed)
+                graph, size = (step, T) if found else (self.graphs["plain"], 1)
+                tokens = torch.tensor([committed[-1]] + drafts[: size - 1], dtype=torch.int64)
+            else:
+                graph, size = step, 1
+                tokens = torch.tensor([committed[-1]], dtype=torch.int64)
+            n, _, out = graph(tokens, torch.tensor(base_len), temp_t, top_p_t, torch.rand(size + 1, generator=gen))[:3]
+            n = int(n)
+            new = out[: n + 1].tolist()
+            stats.steps += 1
+            while len(stats.accepted_hist) <= n:
+                stats.accepted_hist.append(0)
+            stats.accepted_hist[n] += 1
+            base_len += n + 1
+            new = new[: budget - produced]
+            if stop_at_eos:
+                for i, t in enumerate(new):
+                    if t in self.eos:
+                        new = new[: i + 1]
+                        stats.stop = "eos"
+                        break
+            committed += new
+            produced += len(new)
+            if drafter is not None:
+                drafter.accepted(committed, n)
+            yield new
+            if stats.stop == "eos":
+                return
+        stats.stop = "max_len" if budget < max_new_tokens else "max_new_tokens"
+
+    def stream(self, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+               seed: int = 0, chat: bool = False, speculate: bool = True, stop_at_eos: bool = True,
+               stats: Stats | None = None) -> Iterator[str]:
+        """Yield text pieces as tokens are committed."""
+        stats = stats if stats is not None else Stats()
+        ids = self.encode(prompt, chat)
+        out: list[int] = []
+        shown = ""
+        for new in self._steps(ids, max_new_tokens, temperature, top_p, seed, speculate, stop_at_eos, stats):
+            out += new
+            text = self.decode(out)
+            if text.startswith(shown) and not text.endswith("\ufffd"):
+                yield text[len(shown):]
+                shown = text
+
+    def generate(self, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0, chat: bool = False, speculate: bool = True, stop_at_eos: bool = True) -> Result:
+        """Generate from text or token ids; `speculate=False` runs plain decoding through the same backend."""
+        if max_new_tokens < 1:
+            raise SpeccError("max_new_tokens must be at least 1.")
+        ids = self.encode(prompt, chat)
+        stats = Stats()
+        t0 = time.perf_counter()
+        out: list[int] = []
+        for new in self._steps(ids, max_new_tokens, temperature, top_p, seed, speculate, stop_at_eos, stats):
+            out += new
+        stats.wall_s = time.perf_counter() - t0
+        stats.new_tokens = len(out)
+        stats.tau = (len(out) - 1) / stats.steps if stats.steps else 0.0
+        stats.tokens_per_s = len(out) / stats.wall_s if stats.wall_s > 0 else 0.0
+        return Result(token_ids=out, text=self.decode(out), stats=stats)

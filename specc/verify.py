@@ -1,0 +1,428 @@
+"""Lossless verification of a static draft token tree.
+
+Conventions
+-----------
+A tree has ``T`` nodes.  Node 0 is the root (the last committed token); every
+other node ``i`` carries a draft token ``tokens[i]``.  ``logits[i]`` is the
+target model's distribution for the token that FOLLOWS node ``i``.  The tree
+shape is given by ``parents`` (a static Python tuple, ``parents[0] == -1`` and
+``parents[i] < i``) and by ``children`` (an int64 ``[T, W]`` table holding the
+children of each node sorted by sibling rank, padded with ``-1``).
+
+Drafts are deterministic (the draft distribution ``q`` is one-hot), so the
+rules are:
+
+* greedy (``temperature <= 0``): walk from the root, moving to the first child
+  (in rank order) whose token equals ``argmax(logits[current])``; stop when no
+  child matches; the bonus token is ``argmax(logits[final])``.
+* sampling (``temperature > 0``): with ``p = sampling_probs(logits[current])``
+  try the children in rank order; child ``c`` with token ``x`` is accepted iff
+  ``uniforms[c] < p(x) / sum(p)``; on acceptance move to ``c`` and continue
+  with a fresh ``p``; on rejection set ``p(x) = 0`` and try the next sibling.
+  When every child is rejected (or there is none), the final token is drawn
+  from the residual ``p / sum(p)`` by inverse CDF with ``uniforms[T]``: the
+  first index whose cumulative sum exceeds ``uniforms[T]``.
+
+All results are ``(n_accepted, path, out_tokens)`` where, with ``D`` the tree
+depth, ``path`` (``[D + 1]``) lists node indices from the root, padded by
+repeating the last accepted node, and ``out_tokens`` (``[D + 1]``) lists the
+accepted draft tokens, then the bonus token at index ``n_accepted``, then the
+bonus token repeated.
+
+The vectorised functions are traceable by ``torch.export`` with static shapes:
+every loop runs over the static depth ``D`` or the static width ``W``.
+``reference_*`` functions are plain-Python oracles for tests.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "tree_depth",
+    "sampling_probs",
+    "accept_greedy",
+    "accept_sample",
+    "accept",
+    "reference_sampling_probs",
+    "reference_accept_greedy",
+    "reference_accept_sample",
+]
+
+_MIN_TEMPERATURE = 1e-5
+
+
+def tree_depth(parents: Sequence[int]) -> int:
+    """Maximum node depth of a tree given by ``parents`` (root has depth 0)."""
+    depths: list[int] = []
+    for i, par in enumerate(parents):
+        par = int(par)
+        if i == 0:
+            if par != -1:
+                raise ValueError("parents[0] must be -1")
+            depths.append(0)
+            continue
+        if not 0 <= par < i:
+            raise ValueError(f"parents[{i}] = {par} must be in [0, {i})")
+        depths.append(depths[par] + 1)
+    if not depths:
+        raise ValueError("empty tree")
+    return max(depths)
+
+
+# ---------------------------------------------------------------------------
+# vectorised (exportable) implementation
+# ---------------------------------------------------------------------------
+
+
+def _is_tracing(pred: Tensor) -> bool:
+    """True when ``pred`` has no concrete value (export / compile / fx tracing)."""
+    if torch.compiler.is_compiling():
+        return True
+    try:
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        if get_proxy_mode() is not None:
+            return True
+    except ImportError:  # pragma: no cover - very old torch
+        pass
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(pred, FakeTensor):
+        return True
+    try:  # a vmap-batched predicate has no single value either
+        return bool(torch._C._functorch.is_batchedtensor(pred))
+    except AttributeError:  # pragma: no cover
+        return False
+
+
+def _branch(pred: Tensor, true_fn, false_fn, operands: tuple):
+    """``torch.cond`` when tracing, a plain Python branch on concrete values.
+
+    Under ``torch.export`` / ``torch.compile`` this is ``torch.cond`` (a real
+    run-time branch in the exported graph).  Eagerly it evaluates ``pred``
+    directly, which avoids ``torch.cond``'s per-call dynamo compilation.
+    Both branches must return tensors of identical shapes and dtypes.
+    """
+    if _is_tracing(pred):
+        return torch.cond(pred, true_fn, false_fn, operands)
+    return true_fn(*operands) if bool(pred) else false_fn(*operands)
+
+
+def _top_p_filter(probs: Tensor, top_p: Tensor) -> Tensor:
+    """Keep the smallest highest-probability set whose mass is >= top_p."""
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    cum = torch.cumsum(sorted_p, dim=-1)
+    # exclusive cumulative sum: mass strictly before each sorted position
+    excl = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], dim=-1)
+    first = torch.arange(excl.shape[-1], device=excl.device) == 0
+    keep_sorted = (excl < top_p) | first
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    kept = torch.where(keep, probs, torch.zeros_like(probs))
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def sampling_probs(logits: Tensor, temperature: Tensor, top_p: Tensor) -> Tensor:
+    """Target sampling distribution: softmax(logits / T) then top-p, float32.
+
+    ``temperature`` and ``top_p`` are 0-d tensors.  Assumes temperature > 0
+    (it is clamped to >= 1e-5).  ``top_p >= 1`` keeps every token; the sort
+    needed by top-p is then skipped at run time (``torch.cond``).
+    """
+    temperature = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
+    top_p = torch.as_tensor(top_p, dtype=torch.float32, device=logits.device)
+    t = torch.clamp(temperature, min=_MIN_TEMPERATURE)
+    probs = torch.softmax(logits.to(torch.float32) / t, dim=-1)
+    return _branch(
+        top_p < 1.0,
+        lambda p, tp: _top_p_filter(p, tp),
+        lambda p, tp: p.clone(),
+        (probs, top_p),
+    )
+
+
+def _tree_setup(tokens: Tensor, parents: Sequence[int], children: Tensor):
+    depth = tree_depth(parents)
+    num_nodes = len(parents)
+    if children.dim() != 2 or children.shape[0] != num_nodes:
+        raise ValueError("children must be [T, W] with T == len(parents)")
+    if tokens.shape[0] != num_nodes:
+        raise ValueError("tokens must have length T == len(parents)")
+    return depth, num_nodes, children.shape[1]
+
+
+def _at(table: Tensor, idx: Tensor) -> Tensor:
+    """``table[idx]`` for a 0-d index tensor, as a gather (export friendly)."""
+    return torch.index_select(table, 0, idx.reshape(1)).squeeze(0)
+
+
+def _finish(nodes: list[Tensor], n: Tensor, tokens: Tensor, bonus: Tensor):
+    """Assemble (n, path, out_tokens) from per-depth node indices."""
+    path = torch.stack(nodes)  # [D + 1]
+    depth = path.shape[0] - 1
+    bonus = bonus.reshape(()).to(torch.int64)
+    if depth == 0:
+        return n, path, bonus.reshape(1)
+    drafted = tokens[path[1:]].to(torch.int64)  # [D]
+    idx = torch.arange(depth, device=path.device)
+    head = torch.where(idx < n, drafted, bonus)
+    return n, path, torch.cat([head, bonus.reshape(1)])
+
+
+def accept_greedy(
+    logits: Tensor, tokens: Tensor, parents: Sequence[int], children: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Greedy verification (argmax match).  See module docstring."""
+    depth, _, _ = _tree_setup(tokens, parents, children)
+    device = logits.device
+    children = children.to(torch.int64)
+    tokens = tokens.to(torch.int64)
+    target = torch.argmax(logits, dim=-1)  # [T]
+    valid = children >= 0  # [T, W]
+    child_idx = children.clamp(min=0)
+    match = valid & (tokens[child_idx] == target.unsqueeze(-1))  # [T, W]
+
+    cur = torch.zeros((), dtype=torch.int64, device=device)
+    n = torch.zeros((), dtype=torch.int64, device=device)
+    alive = torch.ones((), dtype=torch.bool, device=device)
+    nodes = [cur]
+    for _ in range(depth):
+        m = _at(match, cur)  # [W]
+        found = m.any()
+        first = torch.argmax(m.to(torch.int64))  # first True (0 if none)
+        nxt = _at(_at(child_idx, cur), first)
+        step = alive & found
+        cur = torch.where(step, nxt, cur)
+        n = n + step.to(torch.int64)
+        alive = step
+        nodes.append(cur)
+    bonus = _at(target, cur)
+    return _finish(nodes, n, tokens, bonus)
+
+
+def _inverse_cdf(p: Tensor, u: Tensor) -> Tensor:
+    """First index whose cumulative sum of p/sum(p) exceeds u (p >= 0, [V])."""
+    vocab = p.shape[-1]
+    s = p.sum()
+    cdf = torch.cumsum(p / torch.where(s > 0, s, torch.ones_like(s)), dim=-1)
+    ar = torch.arange(vocab, device=p.device)
+    # guard against cdf[-1] < 1 from rounding: never go past the last
+    # index with positive mass
+    last_nz = torch.amax(torch.where(p > 0, ar, torch.zeros_like(ar)))
+    hit = (cdf > u) | (ar >= last_nz)
+    return torch.argmax(hit.to(torch.int64))
+
+
+def accept_sample(
+    logits: Tensor,
+    tokens: Tensor,
+    parents: Sequence[int],
+    children: Tensor,
+    temperature: Tensor,
+    top_p: Tensor,
+    uniforms: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Lossless stochastic verification with sibling retry.  See module docstring."""
+    depth, num_nodes, width = _tree_setup(tokens, parents, children)
+    device = logits.device
+    children = children.to(torch.int64)
+    tokens = tokens.to(torch.int64)
+    uniforms = uniforms.to(torch.float32)
+    probs = sampling_probs(logits, temperature, top_p)  # [T, V]
+    vocab = probs.shape[-1]
+    ar = torch.arange(vocab, device=device)
+    valid_all = children >= 0
+    child_idx = children.clamp(min=0)
+
+    cur = torch.zeros((), dtype=torch.int64, device=device)
+    n = torch.zeros((), dtype=torch.int64, device=device)
+    searching = torch.ones((), dtype=torch.bool, device=device)
+    resid = probs[0]
+    nodes = [cur]
+    for _ in range(depth):
+        row = resid
+        kids = _at(child_idx, cur)  # [W]
+        valid = _at(valid_all, cur)  # [W]
+        accepted = torch.zeros((), dtype=torch.bool, device=device)
+        nxt = cur
+        for w in range(width):
+            c = kids[w]
+            x = _at(tokens, c)
+            px = _at(row, x)
+            s = row.sum()
+            ratio = px / torch.where(s > 0, s, torch.ones_like(s))
+            active = searching & valid[w] & ~accepted
+            ok = active & (_at(uniforms, c) < ratio)
+            rej = active & ~ok
+            nxt = torch.where(ok, c, nxt)
+            accepted = accepted | ok
+            row = torch.where(rej & (ar == x), torch.zeros_like(row), row)
+        cur = torch.where(accepted, nxt, cur)
+        n = n + accepted.to(torch.int64)
+        searching = accepted
+        resid = torch.where(accepted, _at(probs, cur), row)
+        nodes.append(cur)
+    bonus = _inverse_cdf(resid, uniforms[num_nodes])
+    return _finish(nodes, n, tokens, bonus)
+
+
+def accept(
+    logits: Tensor,
+    tokens: Tensor,
+    parents: Sequence[int],
+    children: Tensor,
+    temperature: Tensor,
+    top_p: Tensor,
+    uniforms: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Greedy when ``temperature <= 0``, else lossless sampling (torch.cond)."""
+    device = logits.device
+    temperature = torch.as_tensor(temperature, dtype=torch.float32, device=device)
+    top_p = torch.as_tensor(top_p, dtype=torch.float32, device=device)
+    parents = tuple(int(p) for p in parents)
+
+    def _sample(lg, tk, ch, t, tp, u):
+        return accept_sample(lg, tk, parents, ch, t, tp, u)
+
+    def _greedy(lg, tk, ch, t, tp, u):
+        return accept_greedy(lg, tk, parents, ch)
+
+    return _branch(
+        temperature > 0,
+        _sample,
+        _greedy,
+        (logits, tokens.to(torch.int64), children.to(torch.int64), temperature, top_p,
+         uniforms.to(torch.float32)),
+    )
+
+
+# ---------------------------------------------------------------------------
+# plain-Python reference oracles
+# ---------------------------------------------------------------------------
+
+
+def _to_list(x):
+    if isinstance(x, Tensor):
+        return x.detach().cpu().tolist()
+    return list(x)
+
+
+def _argmax(row: Sequence[float]) -> int:
+    best = 0
+    for i in range(1, len(row)):
+        if row[i] > row[best]:
+            best = i
+    return best
+
+
+def _child_lists(children) -> list[list[int]]:
+    return [[int(c) for c in r if int(c) >= 0] for r in _to_list(children)]
+
+
+def _pad(path: list[int], out: list[int], depth: int) -> tuple[int, list[int], list[int]]:
+    n = len(path) - 1
+    path = path + [path[-1]] * (depth + 1 - len(path))
+    out = out + [out[-1]] * (depth + 1 - len(out))
+    return n, path, out
+
+
+def reference_sampling_probs(row: Sequence[float], temperature: float, top_p: float) -> list[float]:
+    """Plain-Python softmax(row / T) followed by top-p (list of floats)."""
+    t = max(float(temperature), _MIN_TEMPERATURE)
+    row = [float(v) for v in row]
+    m = max(row)
+    e = [math.exp((v - m) / t) for v in row]
+    s = sum(e)
+    p = [v / s for v in e]
+    if top_p >= 1.0:
+        return p
+    # stable descending order: ties keep lower index first
+    order = sorted(range(len(p)), key=lambda i: -p[i])
+    keep = [False] * len(p)
+    cum = 0.0
+    for rank, i in enumerate(order):
+        if rank == 0 or cum < top_p:
+            keep[i] = True
+            cum += p[i]
+        else:
+            break
+    kept = [p[i] if keep[i] else 0.0 for i in range(len(p))]
+    s = sum(kept)
+    return [v / s for v in kept]
+
+
+def reference_accept_greedy(logits, tokens, parents, children) -> tuple[int, list[int], list[int]]:
+    rows = _to_list(logits)
+    toks = [int(t) for t in _to_list(tokens)]
+    kids = _child_lists(children)
+    depth = tree_depth([int(p) for p in _to_list(parents)])
+    cur = 0
+    path = [0]
+    out: list[int] = []
+    while True:
+        target = _argmax(rows[cur])
+        nxt = -1
+        for c in kids[cur]:
+            if toks[c] == target:
+                nxt = c
+                break
+        if nxt < 0:
+            break
+        path.append(nxt)
+        out.append(toks[nxt])
+        cur = nxt
+    out.append(_argmax(rows[cur]))
+    return _pad(path, out, depth)
+
+
+def reference_accept_sample(
+    logits, tokens, parents, children, temperature: float, top_p: float, uniforms
+) -> tuple[int, list[int], list[int]]:
+    rows = _to_list(logits)
+    toks = [int(t) for t in _to_list(tokens)]
+    kids = _child_lists(children)
+    us = [float(u) for u in _to_list(uniforms)]
+    num_nodes = len(rows)
+    depth = tree_depth([int(p) for p in _to_list(parents)])
+    temperature = float(temperature)
+    top_p = float(top_p)
+    cur = 0
+    path = [0]
+    out: list[int] = []
+    p = reference_sampling_probs(rows[cur], temperature, top_p)
+    while True:
+        nxt = -1
+        for c in kids[cur]:
+            x = toks[c]
+            s = sum(p)
+            ratio = p[x] / s if s > 0 else 0.0
+            if us[c] < ratio:
+                nxt = c
+                break
+            p[x] = 0.0
+        if nxt < 0:
+            break
+        path.append(nxt)
+        out.append(toks[nxt])
+        cur = nxt
+        p = reference_sampling_probs(rows[cur], temperature, top_p)
+    # inverse CDF on the residual
+    s = sum(p)
+    u = us[num_nodes]
+    last_nz = 0
+    for i, v in enumerate(p):
+        if v > 0:
+            last_nz = i
+    cum = 0.0
+    final = last_nz
+    for i, v in enumerate(p):
+        cum += v / s if s > 0 else 0.0
+        if cum > u or i >= last_nz:
+            final = i
+            break
+    out.append(final)
+    return _pad(path, out, depth)
