@@ -1,8 +1,22 @@
-"""specc: a compiler for lossless speculative decoding of Hugging Face causal LMs."""
+"""specc: a compiler for lossless speculative decoding of Hugging Face causal LMs.
+
+    path = specc.compile(model, drafter="ngram", tree="chain:4", backend="inductor", output_dir=...)
+    engine = specc.load(path)
+    res = engine.generate("prompt", max_new_tokens=256)
+"""
 __version__ = "0.1.0"
 
 from .errors import SpeccError  # noqa: E402
-from .compiler import compile, load  # noqa: E402,F401
-from .runtime import Engine, Result, Stats  # noqa: E402,F401
 
 __all__ = ["compile", "load", "Engine", "Result", "Stats", "SpeccError", "__version__"]
+
+
+def __getattr__(name):
+    # Lazy: `specc --help` and argument errors should not pay for importing torch and transformers.
+    if name in ("compile", "load"):
+        from . import compiler
+        return getattr(compiler, name)
+    if name in ("Engine", "Result", "Stats"):
+        from . import runtime
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'specc' has no attribute {name!r}")

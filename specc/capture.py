@@ -134,5 +134,7 @@ def causal_mask(T: int, start: int, cache_len: int) -> torch.Tensor:
 
 def capture(module: nn.Module, example_args: tuple) -> torch.export.ExportedProgram:
     """torch.export with static shapes; the cache writes stay in the graph as buffer mutations."""
+    # Separate storage per input: aliased example inputs break later decompositions.
+    example_args = tuple(a.clone() for a in example_args)
     with torch.no_grad():
         return torch.export.export(module, example_args, strict=False)

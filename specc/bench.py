@@ -1,0 +1,201 @@
+"""`specc bench`: tau, tokens/s and speedups on a prompt set, side by side in one run.
+
+Measurement protocol (DESIGN.md): same machine, same run, same prompts, batch 1, greedy, a fixed
+number of new tokens (EOS does not stop any method), warm-up excluded, medians quoted. Baselines:
+(a) plain autoregressive decoding through the same engine and backend, (b) Hugging Face
+`generate()` of the same weights.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .data import load_prompts
+from .errors import SpeccError
+
+
+def hf_generate_timer(engine_dir: Path, dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(Path(engine_dir) / "target", dtype=dtype).eval()
+
+    def run(ids: list[int], n: int) -> tuple[list[int], float]:
+        x = torch.tensor([ids])
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=model.config.eos_token_id or 0)
+        return out[0, len(ids):].tolist(), time.perf_counter() - t0
+
+    return run
+
+
+def summarize(name: str, runs: list[dict]) -> dict:
+    tps = [r["new_tokens"] / r["wall_s"] for r in runs]
+    steps = sum(r.get("steps", 0) for r in runs)
+    tau = sum(r["new_tokens"] - 1 for r in runs) / steps if steps else None
+    return {"method": name, "prompts": len(runs), "tokens_per_s": statistics.median(tps),
+            "tau": tau, "new_tokens": sum(r["new_tokens"] for r in runs)}
+
+
+def run_bench(engine_dir, dataset: str = "mt-bench", limit: int | None = 10, max_new_tokens: int = 128,
+              baseline: str = "both", chat: bool = True, plot=None, write=None, progress: bool = True,
+              command: str = "") -> dict:
+    from . import load
+    from .models import parse_dtype
+
+    if limit is not None and limit < 1:
+        raise SpeccError("--limit must be at least 1.")
+    if max_new_tokens < 1:
+        raise SpeccError("--max-new-tokens must be at least 1.")
+    engine = load(engine_dir)
+    prompts = load_prompts(dataset, limit)
+    use_chat = chat and engine.tokenizer is not None and bool(getattr(engine.tokenizer, "chat_template", None))
+    all_ids = [engine.encode(p, chat=use_chat) for p in prompts]
+    fits = [ids for ids in all_ids if len(ids) + max_new_tokens <= engine.max_len]
+    if not fits:
+        raise SpeccError(f"no prompt of {dataset} fits --max-len {engine.max_len} with {max_new_tokens} new tokens.")
+    speculative = engine.drafter is not None
+    methods = (["speculative"] if speculative else []) + (["ar"] if baseline in ("ar", "both") or not speculative else [])
+    hf = hf_generate_timer(engine_dir, parse_dtype(engine.manifest["dtype"])) if baseline in ("hf", "both") else None
+
+    # Warm-up, excluded from every figure.
+    for m in methods:
+        engine.generate(fits[0], max_new_tokens=8, speculate=(m == "speculative"), stop_at_eos=False)
+    if hf:
+        hf(fits[0], 8)
+
+    runs: dict[str, list[dict]] = {m: [] for m in methods + (["hf"] if hf else [])}
+    hist: list[int] = []
+    identical = 0
+    bar = tqdm(fits, desc=f"bench {dataset}", unit="prompt", disable=not progress)
+    for ids in bar:
+        outs = {}
+        for m in methods:
+            r = engine.generate(ids, max_new_tokens=max_new_tokens, speculate=(m == "speculative"), stop_at_eos=False)
+            runs[m].append(r.stats.as_dict())
+            outs[m] = r.token_ids
+            if m == "speculative":
+                for i, c in enumerate(r.stats.accepted_hist):
+                    hist += [0] * (i + 1 - len(hist))
+                    hist[i] += c
+        if hf:
+            toks, wall = hf(ids, max_new_tokens)
+            runs["hf"].append({"new_tokens": len(toks), "wall_s": wall})
+            outs["hf"] = toks
+        if "speculative" in outs and "ar" in outs:
+            identical += outs["speculative"] == outs["ar"]
+    bar.close()
+
+    rows = [summarize(m, rs) for m, rs in runs.items()]
+    by = {r["method"]: r for r in rows}
+    for r in rows:
+        if "ar" in by:
+            r["speedup_vs_ar"] = r["tokens_per_s"] / by["ar"]["tokens_per_s"]
+        if "hf" in by:
+            r["speedup_vs_hf"] = r["tokens_per_s"] / by["hf"]["tokens_per_s"]
+    m = engine.manifest
+    report = {
+        "engine": str(engine_dir), "dataset": dataset, "prompts": len(fits), "skipped_too_long": len(all_ids) - len(fits),
+        "max_new_tokens": max_new_tokens, "chat_template": use_chat, "backend": m["backend"],
+        "drafter": m["drafter"], "tree": m["tree"]["spec"], "model": m["target"]["name"],
+        "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "greedy_identical_to_ar": f"{identical}/{len(fits)}" if "ar" in runs and speculative else None,
+        "accepted_hist": hist, "rows": rows, "command": command,
+    }
+    if progress:  # with --json the JSON object is the only thing on stdout
+        print_report(report)
+    if plot:
+        plot_report(report, plot)
+    if write:
+        append_markdown(report, write)
+    return report
+
+
+def _fmt(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
+
+
+def markdown_table(report: dict) -> str:
+    lines = ["| method | tau | tokens/s (median) | vs plain (same backend) | vs HF generate() |",
+             "|---|---|---|---|---|"]
+    names = {"speculative": f"{report['drafter']['kind']} {report['tree']}", "ar": "plain decoding",
+             "hf": "HF generate()"}
+    for r in report["rows"]:
+        lines.append(f"| {names[r['method']]} | {_fmt(r['tau'])} | {_fmt(r['tokens_per_s'])} | "
+                     f"{_fmt(r.get('speedup_vs_ar'))}x | {_fmt(r.get('speedup_vs_hf'))}x |")
+    return "\n".join(lines)
+
+
+def print_report(report: dict) -> None:
+    print(f"{report['model']} | {report['backend']} | drafter {report['drafter']['kind']} | tree {report['tree']} | "
+          f"{report['dataset']}: {report['prompts']} prompts x {report['max_new_tokens']} new tokens")
+    print(markdown_table(report))
+    if report["greedy_identical_to_ar"]:
+        print(f"greedy output identical to plain decoding: {report['greedy_identical_to_ar']}")
+
+
+def append_markdown(report: dict, path) -> None:
+    path = Path(path)
+    text = (f"\n### {report['model']}, {report['backend']}, drafter {report['drafter']['kind']} "
+            f"({report['tree']}), {report['dataset']}\n\n"
+            f"{report['date']}, {report['machine']}; {report['prompts']} prompts, {report['max_new_tokens']} new tokens, "
+            f"greedy, chat template {'on' if report['chat_template'] else 'off'}.\n\n"
+            f"```\n{report['command']}\n```\n\n{markdown_table(report)}\n")
+    if report["greedy_identical_to_ar"]:
+        text += f"\nGreedy output identical to plain decoding on {report['greedy_identical_to_ar']} prompts.\n"
+    with open(path, "a") as f:
+        f.write(text)
+
+
+def plot_report(report: dict, path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4))
+    FigureCanvasAgg(fig)
+    ax1, ax2 = fig.subplots(1, 2)
+    hist = report["accepted_hist"]
+    if hist:
+        total = sum(hist)
+        ax1.bar(range(len(hist)), [h / total for h in hist], color="#4477aa")
+        ax1.set_xlabel("draft tokens accepted per step")
+        ax1.set_ylabel("fraction of steps")
+        ax1.set_title(f"acceptance ({report['drafter']['kind']} {report['tree']})")
+    else:
+        ax1.text(0.5, 0.5, "no drafter", ha="center")
+    names = [r["method"] for r in report["rows"]]
+    ax2.bar(names, [r["tokens_per_s"] for r in report["rows"]], color=["#228833", "#bbbbbb", "#ee6677"][: len(names)])
+    ax2.set_ylabel("tokens/s (median)")
+    ax2.set_title(f"{report['dataset']}, {report['backend']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def matvec_floor(model, reps: int = 20) -> dict:
+    """The time of the model's matrix-vector products alone for one token (every Linear once,
+    batch 1, the LM head included): the part of a decode step no scheduling can remove."""
+    import torch.nn.functional as F
+
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights]
+    times = []
+    with torch.no_grad():
+        for i in range(reps + 2):
+            t0 = time.perf_counter()
+            for w, x in zip(weights, xs):
+                F.linear(x, w)
+            if i >= 2:  # first passes warm the allocator and caches
+                times.append(time.perf_counter() - t0)
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    med = statistics.median(times)
+    return {"matvecs": len(weights), "weight_bytes": nbytes, "ms_per_token": med * 1e3,
+            "gb_per_s": nbytes / med / 1e9}

@@ -1,0 +1,222 @@
+"""The `specc` command: compile, run, bench, inspect, train.
+
+Every user-facing failure is one sentence on stderr and exit code 2; no tracebacks
+(set SPECC_DEBUG=1 to see one for an internal error).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .errors import SpeccError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not the whole usage block
+        sys.stderr.write(f"specc: error: {message} (see `{self.prog} --help`).\n")
+        sys.exit(2)
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def cmd_compile(a) -> int:
+    import specc
+
+    out = specc.compile(a.model, drafter=a.drafter, tree=a.tree, backend=a.backend, output_dir=a.output,
+                        drafter_path=a.drafter_path, drafter_layers=a.drafter_layers, dtype=a.dtype,
+                        max_len=a.max_len, prefill_chunk=a.prefill_chunk, dump_ir=a.dump_ir,
+                        progress=not a.json)
+    manifest = json.loads((out / "specc.json").read_text())
+    if a.json:
+        print(json.dumps({"engine": str(out), "backend": a.backend, "drafter": manifest["drafter"],
+                          "tree": manifest["tree"]["spec"], "graphs": manifest["graphs"]}))
+    else:
+        print(f"compiled {manifest['target']['name']} with drafter {a.drafter}, tree {manifest['tree']['spec']}, "
+              f"backend {a.backend} -> {out}")
+        for name, g in manifest["graphs"].items():
+            print(f"  graph {name:<14} {g['tokens']:>4} tokens/call  passes: capture -> {' -> '.join(g['passes'])}")
+        if a.dump_ir:
+            print(f"  graph after each pass written to {a.dump_ir}")
+    return 0
+
+
+def _read_prompt(a) -> str:
+    if a.prompt_file:
+        p = Path(a.prompt_file)
+        if not p.is_file():
+            raise SpeccError(f"prompt file {str(p)!r} does not exist.")
+        return p.read_text()
+    return a.prompt
+
+
+def cmd_run(a) -> int:
+    import specc
+    from .runtime import Stats
+
+    prompt = _read_prompt(a)  # a missing prompt file fails before the slow load
+    engine = specc.load(a.engine)
+    kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed, chat=a.chat)
+    if a.stream and not a.json:
+        stats = Stats()
+        for piece in engine.stream(prompt, stats=stats, **kw):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        _print_stats(stats)
+        return 0
+    res = engine.generate(prompt, **kw)
+    if a.json:
+        print(json.dumps({"text": res.text, "token_ids": res.token_ids, "stats": res.stats.as_dict()}))
+    else:
+        print(res.text)
+        _print_stats(res.stats)
+    return 0
+
+
+def _print_stats(s) -> None:
+    sys.stderr.write(f"[{s.new_tokens} tokens in {s.steps} steps: tau {s.tau:.2f}, {s.tokens_per_s:.1f} tokens/s, "
+                     f"{s.wall_s:.2f} s]\n")
+
+
+def cmd_bench(a) -> int:
+    from .bench import run_bench
+
+    report = run_bench(a.engine, dataset=a.dataset, limit=a.limit, max_new_tokens=a.max_new_tokens,
+                       baseline=a.baseline, chat=not a.no_chat, plot=a.plot, write=a.write,
+                       progress=not a.json, command=" ".join(["specc"] + sys.argv[1:]))
+    if a.json:
+        print(json.dumps(report))
+    return 0
+
+
+def cmd_inspect(a) -> int:
+    from .compiler import read_manifest
+    from .tree import draw_tree, tree_from_paths
+
+    m = read_manifest(a.engine)
+    tree = tree_from_paths(m["tree"]["paths"])
+    if a.tree_png:
+        draw_tree(tree, a.tree_png)
+    if a.json:
+        print(json.dumps({k: v for k, v in m.items() if k != "files"} | {"files": sorted(m["files"])}))
+        return 0
+    t = m["target"]
+    print(f"engine      {a.engine}")
+    print(f"target      {t['name']} ({t['arch']}, {t['num_layers']} layers, vocab {t['vocab_size']})")
+    print(f"drafter     {json.dumps(m['drafter'])}")
+    print(f"tree        {m['tree']['spec']}: {tree.size} nodes, depth {tree.max_depth}")
+    print(f"backend     {m['backend']}, dtype {m['dtype']}, max_len {m['max_len']}, prefill chunk {m['prefill_chunk']}")
+    print(f"versions    specc {m['specc_version']}, torch {m['torch_version']}, transformers {m['transformers_version']}")
+    print(f"files       {len(m['files'])} (sha256 recorded)")
+    if a.passes:
+        for name, g in m["graphs"].items():
+            print(f"graph {name} ({g['tokens']} tokens/call):")
+            for i, p in enumerate(["capture"] + g["passes"]):
+                print(f"  {i}. {p}")
+    if a.tree_png:
+        print(f"tree drawn to {a.tree_png}")
+    return 0
+
+
+def cmd_train(a) -> int:
+    raise SpeccError(f"training a {a.drafter} drafter is not available in this version of specc; "
+                     f"the ngram and draft-model drafters need no training.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="specc", description="Compile a Hugging Face causal LM and a drafter into a lossless "
+                                          "speculative-decoding engine, and run it.")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    c = sub.add_parser("compile", help="compile a model and drafter into an engine directory")
+    c.add_argument("model", nargs="?", default=None,
+                   help="Hugging Face model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    c.add_argument("--drafter", default="none", help="none | ngram | draft-model (mtp, dflash, dspark: later)")
+    c.add_argument("--drafter-path", default=None, help="draft model directory or .gguf (draft-model)")
+    c.add_argument("--drafter-layers", type=int, default=None,
+                   help="draft-model: use the first N layers (of the target when no --drafter-path)")
+    c.add_argument("--tree", default=None, help="chain:K | topk:DEPTH,WIDTH | sequoia:BUDGET | auto | FILE.json")
+    c.add_argument("--backend", default="eager", help="eager | inductor | onnx | tensorrt")
+    c.add_argument("--dtype", default="float32")
+    c.add_argument("--max-len", type=int, default=1024)
+    c.add_argument("--prefill-chunk", type=int, default=32)
+    c.add_argument("--dump-ir", default=None, metavar="DIR", help="write the graph after every pass here")
+    c.add_argument("--json", action="store_true")
+    c.add_argument("-o", "--output", required=True, metavar="DIR")
+    c.set_defaults(fn=cmd_compile)
+
+    r = sub.add_parser("run", help="generate text with an engine")
+    r.add_argument("engine", metavar="DIR")
+    g = r.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt")
+    g.add_argument("--prompt-file")
+    r.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    r.add_argument("--max-new-tokens", type=int, default=256)
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--stream", action="store_true")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(fn=cmd_run)
+
+    b = sub.add_parser("bench", help="measure tau, tokens/s and speedups on a prompt set")
+    b.add_argument("engine", metavar="DIR")
+    b.add_argument("--dataset", default="mt-bench", help="mt-bench | humaneval | FILE.jsonl")
+    b.add_argument("--limit", type=int, default=10)
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--baseline", default="both", choices=["hf", "ar", "both"])
+    b.add_argument("--no-chat", action="store_true", help="do not apply the chat template to prompts")
+    b.add_argument("--plot", default=None, metavar="FILE.png", help="acceptance histogram and tokens/s")
+    b.add_argument("--write", default=None, metavar="BENCHMARKS.md", help="append the result table to this file")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(fn=cmd_bench)
+
+    i = sub.add_parser("inspect", help="describe an engine")
+    i.add_argument("engine", metavar="DIR")
+    i.add_argument("--passes", action="store_true", help="list the passes that made each graph")
+    i.add_argument("--tree-png", default=None, metavar="FILE")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(fn=cmd_inspect)
+
+    t = sub.add_parser("train", help="train a drafter (not in this version)")
+    t.add_argument("model", nargs="?", default=None)
+    t.add_argument("--drafter", required=True, choices=["mtp", "dflash", "dspark"])
+    t.add_argument("--data", default="sharegpt")
+    t.add_argument("-o", "--output", required=True)
+    t.set_defaults(fn=cmd_train)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        _quiet_libraries()
+        return args.fn(args)
+    except SpeccError as e:
+        sys.stderr.write(f"specc: error: {e}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("specc: interrupted\n")
+        return 130
+    except Exception as e:  # an internal bug: still one line unless asked for more
+        if os.environ.get("SPECC_DEBUG"):
+            raise
+        sys.stderr.write(f"specc: internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} "
+                         f"(set SPECC_DEBUG=1 for a traceback).\n")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,412 @@
+"""The `specc` command, run as a real subprocess on tiny random models with the eager backend.
+
+Each CLI call pays ~2 s of imports (more to compile or load an engine), and the tests mostly
+wait on subprocesses, so every test's CLI work is declared up front as a *job* keyed by the
+test's name. A module fixture starts the jobs of the selected tests on a small thread pool at
+once (the engines first, compiled once and shared); each test then checks its job's result.
+Run one test alone (`-k`) and only its jobs, and the engines they need, run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Greedy output of the tiny model from this prompt includes ids 60-63, which have no token in the
+# tiny tokenizer (like the padded vocabularies of real models): they decode to nothing, so
+# re-encoding the output text does not give the tokens back.
+PROMPT = "the and the of"
+BENCH_PROMPTS = ["the and the of the and the of the and", "it is the way of the water", "what is this"]
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+def leftovers(out: Path) -> list[str]:
+    """Staging or trash directories that a compile into `out` may leave in its parent."""
+    return sorted(p.name for p in out.parent.glob(f".{out.name}.*") if ".tmp-" in p.name or ".old-" in p.name)
+
+
+def assert_user_error(proc, *needles: str, code: int = 2) -> str:
+    """Exit code `code`, no traceback, nothing on stdout, one `specc: error:` sentence on stderr naming `needles`."""
+    both = proc.stdout + proc.stderr
+    assert "Traceback" not in both, both
+    assert proc.returncode == code, f"exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
+    assert proc.stdout == "", proc.stdout
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{proc.stderr}"
+    line = lines[0]
+    assert line.startswith("specc: error: "), line
+    assert line.rstrip().endswith("."), f"not a sentence: {line}"
+    for needle in needles:
+        assert needle.lower() in line.lower(), f"{needle!r} not in: {line}"
+    return line
+
+
+def assert_ok(proc):
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
+
+
+def manifest(engine: Path) -> dict:
+    return json.loads((engine / "specc.json").read_text())
+
+
+# -- jobs --------------------------------------------------------------------------------------
+
+@dataclass
+class Ctx:
+    """What a job sees: the tiny model directories, its own scratch directory, and the engines."""
+    model: Path  # tiny llama, vocab 64, with a tokenizer
+    model80: Path  # tiny llama, vocab 80
+    root: Path
+    futures: dict
+    cli: Callable  # conftest's specc_cli
+    key: str = ""
+
+    @property
+    def tmp(self) -> Path:
+        d = self.root / "jobs" / self.key.replace("[", "-").replace("]", "").replace("/", "_")
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def engine(self, name: str) -> Path:
+        proc = self.futures[name].result()
+        if proc.returncode != 0:
+            raise RuntimeError(f"compiling engine {name} failed:\n{proc.stderr}")
+        return engine_dir(self.root, name)
+
+    def specc(self, *args):
+        return self.cli(*args, cwd=self.tmp)
+
+
+def engine_dir(root: Path, name: str) -> Path:
+    return root / "engines" / name
+
+
+JOBS: dict[str, tuple[Callable[[Ctx], object], tuple[str, ...], bool]] = {}
+
+
+def job(key: str, *deps: str, slow: bool = False):
+    """Register `fn(ctx)` as the CLI work of test `key` (a test's node name); deps are engine jobs.
+
+    Engines start first (so a job waiting on one never waits for a queued one), then slow jobs
+    (those that load an engine), then the rest, in registration order.
+    """
+    def register(fn):
+        assert key not in JOBS, key
+        JOBS[key] = (fn, deps, slow)
+        return fn
+    return register
+
+
+@job("ngram")
+def _(c: Ctx):
+    return c.specc("compile", c.model, "--drafter", "ngram", "--tree", "chain:3", "--backend", "eager",
+                   "--dump-ir", c.root / "ir", "-o", engine_dir(c.root, "ngram"))
+
+
+@job("short")
+def _(c: Ctx):
+    return c.specc("compile", c.model, "--max-len", "16", "--prefill-chunk", "4", "--backend", "eager",
+                   "-o", engine_dir(c.root, "short"))
+
+
+@pytest.fixture(scope="module")
+def jobs(request, tiny_model_dir, tiny_model_dir_vocab80, tmp_path_factory, specc_cli):
+    """Start the jobs of this module's selected tests (and the engines they need) on a thread pool."""
+    here = request.module.__name__
+    wanted = {it.name for it in request.session.items if it.module.__name__ == here}
+    needed = set()
+    for key in wanted & set(JOBS):
+        needed |= {key, *JOBS[key][1]}
+    engines = {d for _, deps, _ in JOBS.values() for d in deps}
+    order = sorted(JOBS, key=lambda k: (k not in engines, not JOBS[k][2]))  # stable: registration order within
+    futures: dict = {}
+    ctx = Ctx(tiny_model_dir, tiny_model_dir_vocab80, tmp_path_factory.mktemp("cli"), futures, specc_cli)
+    pool = ThreadPoolExecutor(max_workers=max(2, min(4, os.cpu_count() or 2)))
+    for key in order:
+        if key in needed:
+            futures[key] = pool.submit(JOBS[key][0], Ctx(ctx.model, ctx.model80, ctx.root, futures, specc_cli, key))
+    yield ctx
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture
+def result(request, jobs):
+    """The result of this test's job (the job's exception, if it raised, is raised here)."""
+    return jobs.futures[request.node.name].result()
+
+
+# -- bad input: one line, exit 2, nothing half-written ------------------------------------------
+
+def _json_tree_without_prefix(c: Ctx) -> str:
+    f = c.tmp / "tree.json"
+    f.write_text(json.dumps({"paths": [[0], [0, 0], [1, 0]]}))  # [1, 0] without [1]
+    return str(f)
+
+
+COMPILE_ERRORS = {  # id: (argv before -o, words the message must contain)
+    "missing-model": (lambda c: ["/nonexistent/model"], ["/nonexistent/model", "does not exist"]),
+    "tree-chain-x": (lambda c: [c.model, "--drafter", "ngram", "--tree", "chain:x"], ["chain:x", "malformed"]),
+    "tree-topk-one-number": (lambda c: [c.model, "--drafter", "ngram", "--tree", "topk:2"], ["topk:2", "malformed"]),
+    "tree-unknown-kind": (lambda c: [c.model, "--drafter", "ngram", "--tree", "foo:3"], ["foo:3", "malformed"]),
+    "tree-json-missing-prefix": (lambda c: [c.model, "--drafter", "ngram", "--tree", _json_tree_without_prefix(c)],
+                                 ["tree.json", "prefix"]),
+    "unknown-backend": (lambda c: [c.model, "--backend", "cuda-magic"], ["--backend", "cuda-magic"]),
+    "tensorrt": (lambda c: [c.model, "--backend", "tensorrt"], ["tensorrt", "not"]),
+    "drafter-mtp": (lambda c: [c.model, "--drafter", "mtp"], ["mtp", "not available"]),
+    "tree-without-drafter": (lambda c: [c.model, "--drafter", "none", "--tree", "chain:3"], ["chain:3", "drafter"]),
+    "max-len-0": (lambda c: [c.model, "--max-len", "0"], ["--max-len"]),
+    "max-len-not-int": (lambda c: [c.model, "--max-len", "many"], ["--max-len"]),
+    "drafter-vocab-mismatch": (lambda c: [c.model, "--drafter", "draft-model", "--drafter-path", c.model80,
+                                          "--tree", "chain:2"], ["vocabulary", "80", "64"]),  # loads both models
+}
+
+
+def _compile_error_job(argv):
+    return lambda c: (c.tmp / "out", c.specc("compile", *argv(c), "-o", c.tmp / "out"))
+
+
+for _id, (_argv, _) in COMPILE_ERRORS.items():
+    job(f"test_compile_bad_input[{_id}]", slow=_id == "drafter-vocab-mismatch")(_compile_error_job(_argv))
+
+
+@pytest.mark.parametrize("case", list(COMPILE_ERRORS))
+def test_compile_bad_input(result, case):
+    out, proc = result
+    assert_user_error(proc, *COMPILE_ERRORS[case][1])
+    assert not out.exists()
+    assert leftovers(out) == []
+
+
+def _refuse_overwrite_job(kind):
+    def run(c: Ctx):
+        out = c.tmp / "precious"
+        if kind == "file":
+            out.write_text("not an engine")
+        else:
+            out.mkdir()
+            (out / "notes.txt").write_text("not an engine")
+        return out, c.specc("compile", c.model, "--backend", "eager", "-o", out)
+    return run
+
+
+for _kind in ("file", "dir"):
+    job(f"test_compile_refuses_to_overwrite_other_content[{_kind}]")(_refuse_overwrite_job(_kind))
+
+
+@pytest.mark.parametrize("kind", ["file", "dir"])
+def test_compile_refuses_to_overwrite_other_content(result, kind):
+    out, proc = result
+    assert_user_error(proc, str(out), "refusing")
+    if kind == "file":
+        assert out.read_text() == "not an engine"
+    else:
+        assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+        assert (out / "notes.txt").read_text() == "not an engine"
+    assert leftovers(out) == []
+
+
+@job("test_train_is_not_available")
+def _(c: Ctx):
+    return c.tmp / "x", c.specc("train", "--drafter", "dflash", "-o", c.tmp / "x")
+
+
+def test_train_is_not_available(result):
+    out, proc = result
+    assert_user_error(proc, "dflash", "not available")
+    assert not out.exists()
+
+
+@job("test_run_on_a_directory_that_is_not_an_engine")
+def _(c: Ctx):
+    return c.specc("run", c.model, "--prompt", "the")
+
+
+def test_run_on_a_directory_that_is_not_an_engine(result):
+    assert_user_error(result, "not a specc engine")
+
+
+@job("test_run_prompt_longer_than_max_len", "short", slow=True)
+def _(c: Ctx):
+    prompt = c.tmp / "long.txt"
+    prompt.write_text(" ".join(["the water"] * 15))  # 30 known words: 30 tokens
+    return c.specc("run", c.engine("short"), "--prompt-file", prompt, "--max-new-tokens", "4")
+
+
+def test_run_prompt_longer_than_max_len(result):
+    assert_user_error(result, "30 tokens", "--max-len 16")
+
+
+MODIFIED_FILES = ["target/config.json", "target/model.safetensors"]
+
+
+def _modified_engine_job(rel):
+    def run(c: Ctx):
+        engine = c.tmp / "engine"
+        shutil.copytree(c.engine("short"), engine)
+        assert rel in manifest(engine)["files"], f"{rel} has no recorded sha256"
+        with open(engine / rel, "ab") as f:
+            f.write(b" ")
+        return c.specc("run", engine, "--prompt", "the", "--max-new-tokens", "2")
+    return run
+
+
+for _rel in MODIFIED_FILES:
+    job(f"test_run_refuses_a_modified_engine[{_rel}]", "short")(_modified_engine_job(_rel))
+
+
+@pytest.mark.parametrize("rel", MODIFIED_FILES)
+def test_run_refuses_a_modified_engine(result, rel):
+    assert_user_error(result, rel, "sha256")
+
+
+# -- happy paths -------------------------------------------------------------------------------
+
+@job("test_compile_output_and_manifest", "ngram")
+def _(c: Ctx):
+    return c.futures["ngram"].result()
+
+
+def test_compile_output_and_manifest(result, jobs):
+    assert_ok(result)
+    engine = engine_dir(jobs.root, "ngram")
+    assert f"-> {engine}" in result.stdout
+    m = manifest(engine)
+    assert m["backend"] == "eager"
+    assert m["drafter"]["kind"] == "ngram"
+    assert m["tree"]["spec"] == "chain:3"
+    assert set(m["graphs"]) == {"prefill", "plain", "step"}
+    assert m["graphs"]["step"]["tokens"] == 4
+    on_disk = {str(p.relative_to(engine)) for p in engine.rglob("*") if p.is_file()}
+    assert on_disk == set(m["files"]) | {"specc.json"}
+    assert not any(f.endswith((".bin", ".pt", ".pkl", ".pickle")) for f in on_disk)
+    assert leftovers(engine) == []
+
+
+@job("test_dump_ir_writes_one_file_per_pass_per_graph", "ngram")
+def _(c: Ctx):
+    return c.engine("ngram")
+
+
+def test_dump_ir_writes_one_file_per_pass_per_graph(result, jobs):
+    m = manifest(result)
+    expected = {f"{name}.{i:02d}-{p}.txt" for name, g in m["graphs"].items()
+                for i, p in enumerate(["capture"] + g["passes"])}
+    written = {p.name for p in (jobs.root / "ir").iterdir()}
+    assert written == expected
+    for name in expected:
+        assert (jobs.root / "ir" / name).stat().st_size > 0
+
+
+@job("test_run_json", "ngram", slow=True)
+def _(c: Ctx):
+    return c.specc("run", c.engine("ngram"), "--prompt", PROMPT, "--max-new-tokens", "20", "--json")
+
+
+def test_run_json(result):
+    assert_ok(result)
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1, result.stdout
+    res = json.loads(lines[0])
+    assert {"text", "token_ids", "stats"} <= set(res)
+    stats = res["stats"]
+    assert {"new_tokens", "steps", "tau", "tokens_per_s", "wall_s"} <= set(stats)
+    ids = res["token_ids"]
+    assert isinstance(res["text"], str)
+    assert ids and all(isinstance(t, int) and 0 <= t < 64 for t in ids)
+    assert stats["new_tokens"] == len(ids) and 1 <= len(ids) <= 20
+    assert stats["steps"] >= 1 and stats["wall_s"] > 0 and stats["tokens_per_s"] > 0
+    assert stats["tau"] == pytest.approx((len(ids) - 1) / stats["steps"], abs=1e-3)
+    assert stats["tau"] >= 1.0  # every verify pass commits at least one token
+
+
+@job("test_inspect_passes_and_tree_png", "ngram")
+def _(c: Ctx):
+    png = c.tmp / "tree.png"
+    return png, c.specc("inspect", c.engine("ngram"), "--passes", "--tree-png", png)
+
+
+def test_inspect_passes_and_tree_png(result):
+    png, proc = result
+    assert_ok(proc)
+    for word in ("chain:3", "prefill", "plain", "step", "capture", "tree_inputs", "verify", "compact_kv",
+                 "sample_last"):
+        assert word in proc.stdout, word
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+@job("test_recompile_replaces_the_engine", "short", slow=True)
+def _(c: Ctx):
+    # Compile into an existing engine directory: a copy of "short" plus a stray file.
+    target = c.tmp / "engine"
+    shutil.copytree(c.engine("short"), target)
+    (target / "stray.txt").write_text("left over from an earlier engine")
+    return target, c.specc("compile", c.model, "--max-len", "12", "--prefill-chunk", "4", "--backend", "eager",
+                           "-o", target)
+
+
+def test_recompile_replaces_the_engine(result):
+    engine, proc = result
+    assert_ok(proc)
+    m = manifest(engine)
+    assert m["max_len"] == 12  # the old engine had 16
+    assert not (engine / "stray.txt").exists()
+    assert sorted(p.name for p in engine.parent.iterdir()) == ["engine"]  # no staging or trash left
+
+
+@job("test_run_stream", "ngram", slow=True)
+def _(c: Ctx):
+    return c.specc("run", c.engine("ngram"), "--prompt", PROMPT, "--max-new-tokens", "20", "--stream")
+
+
+def test_run_stream(result, jobs):
+    assert_ok(result)
+    assert result.stdout.endswith("\n")
+    summary = result.stderr.splitlines()[-1] if result.stderr else ""  # e.g. "[19 steps, tau 1.00, 0.07 s]"
+    found = re.search(r"(\d+) steps", summary), re.search(r"tau ([0-9.]+)", summary)
+    assert all(found), f"no steps and tau in the summary on stderr: {result.stderr!r}"
+    steps, tau = int(found[0][1]), float(found[1][1])
+    assert tau >= 1.0, f"every verify pass commits at least one token, yet --stream reports tau {tau}"
+    if "test_run_json" in jobs.futures:
+        # Greedy and the same prompt: the same text (then a newline), steps and tau as --json.
+        res = json.loads(jobs.futures["test_run_json"].result().stdout)
+        assert result.stdout == res["text"] + "\n"
+        assert steps == res["stats"]["steps"]
+        assert tau == pytest.approx(res["stats"]["tau"], abs=0.006)
+
+
+@job("test_bench", "ngram", slow=True)
+def _(c: Ctx):
+    data = c.tmp / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p}) for p in BENCH_PROMPTS) + "\n")
+    plot, md = c.tmp / "bench.png", c.tmp / "B.md"
+    return plot, md, c.specc("bench", c.engine("ngram"), "--dataset", data, "--limit", "2", "--max-new-tokens", "8",
+                             "--baseline", "both", "--json", "--plot", plot, "--write", md)
+
+
+def test_bench(result):
+    plot, md, proc = result
+    assert_ok(proc)
+    assert plot.read_bytes()[:8] == PNG_MAGIC
+    table = md.read_text()
+    assert "| method |" in table and "HF generate()" in table
+    try:
+        report = json.loads(proc.stdout)
+    except ValueError:
+        pytest.fail(f"`specc bench --json` stdout is not one JSON object:\n{proc.stdout}")
+    assert report["prompts"] == 2 and report["max_new_tokens"] == 8
+    rows = {r["method"]: r for r in report["rows"]}
+    assert set(rows) == {"speculative", "ar", "hf"}
+    for r in rows.values():
+        assert r["prompts"] == 2 and r["new_tokens"] == 16 and r["tokens_per_s"] > 0
+    assert report["greedy_identical_to_ar"] == "2/2"

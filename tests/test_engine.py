@@ -1,0 +1,106 @@
+"""End to end on tiny random models: compile -> artifact -> load -> generate, against HF generate()."""
+import json
+import time
+
+import pytest
+import torch
+
+import specc
+from specc.errors import SpeccError
+from tiny import tiny_model
+
+PROMPT = [5, 6, 7, 8, 5, 6, 7, 9, 10, 11, 12, 5, 6]
+
+
+def hf_greedy(model, ids, n):
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    model = tiny_model("llama", vocab=64, layers=2, seed=0)
+    model.save_pretrained(root / "llama")
+    tiny_model("llama", vocab=64, layers=1, seed=5).save_pretrained(root / "draft")
+    return root, model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("drafter,tree", [("none", None), ("ngram", "chain:3"), ("draft-model", "chain:2")])
+def test_greedy_identical_to_hf(tmp_path, arch, drafter, tree):
+    model = tiny_model(arch, vocab=64, layers=2, seed=1)
+    model.save_pretrained(tmp_path / "m")
+    kw = {"drafter_layers": 1} if drafter == "draft-model" else {}
+    engine = specc.load(specc.compile(tmp_path / "m", drafter=drafter, tree=tree, output_dir=tmp_path / "e",
+                                      max_len=64, prefill_chunk=8, progress=False, **kw))
+    res = engine.generate(PROMPT, max_new_tokens=30, stop_at_eos=False)
+    assert res.token_ids == hf_greedy(model, PROMPT, 30)
+    assert res.stats.new_tokens == 30 and res.stats.steps <= 29
+
+
+def test_separate_draft_model(llama_dir, tmp_path):
+    root, model = llama_dir
+    path = specc.compile(root / "llama", drafter="draft-model", drafter_path=root / "draft", tree="chain:4",
+                         output_dir=tmp_path / "e", max_len=64, prefill_chunk=8, progress=False)
+    manifest = json.loads((path / "specc.json").read_text())
+    assert "draft/model.safetensors" in manifest["files"]
+    res = specc.load(path).generate(PROMPT, max_new_tokens=25, stop_at_eos=False)
+    assert res.token_ids == hf_greedy(model, PROMPT, 25)
+
+
+def test_inductor_matches_eager_and_caches(llama_dir, tmp_path):
+    """AOTInductor engine: same tokens as HF (greedy) and as the eager engine (sampling, same seed);
+    compiling the same model again reuses the compile cache."""
+    root, model = llama_dir
+    kw = dict(drafter="ngram", tree="chain:3", max_len=64, prefill_chunk=8, progress=False)
+    t0 = time.perf_counter()
+    ind = specc.compile(root / "llama", backend="inductor", output_dir=tmp_path / "ind", **kw)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    specc.compile(root / "llama", backend="inductor", output_dir=tmp_path / "ind2", **kw)
+    second = time.perf_counter() - t0
+    assert sorted(p.name for p in (ind / "graphs").iterdir()) == ["plain.pt2", "prefill.pt2", "step.pt2"]
+    engine = specc.load(ind)
+    assert engine.generate(PROMPT, max_new_tokens=30, stop_at_eos=False).token_ids == hf_greedy(model, PROMPT, 30)
+    eager = specc.load(specc.compile(root / "llama", backend="eager", output_dir=tmp_path / "eager", **kw))
+    for seed in range(3):
+        a = engine.generate(PROMPT, max_new_tokens=20, temperature=0.9, top_p=0.9, seed=seed, stop_at_eos=False)
+        b = eager.generate(PROMPT, max_new_tokens=20, temperature=0.9, top_p=0.9, seed=seed, stop_at_eos=False)
+        assert a.token_ids == b.token_ids
+    # A cold compile builds three packages (tens of seconds); a warm one only exports and copies.
+    assert second < first / 2, (first, second)
+
+
+def test_stops_and_stream(llama_dir, tmp_path):
+    root, model = llama_dir
+    engine = specc.load(specc.compile(root / "llama", drafter="ngram", tree="chain:3", output_dir=tmp_path / "e",
+                                      max_len=24, prefill_chunk=8, progress=False))
+    res = engine.generate(PROMPT, max_new_tokens=100, stop_at_eos=False)
+    assert res.stats.stop == "max_len" and len(PROMPT) + res.stats.new_tokens == 24
+    full = engine.generate(PROMPT, max_new_tokens=8, stop_at_eos=False)
+    eos = full.token_ids[3]
+    engine.eos = {eos}
+    cut = engine.generate(PROMPT, max_new_tokens=8)
+    assert cut.token_ids == full.token_ids[: full.token_ids.index(eos) + 1] and cut.stats.stop == "eos"
+    with pytest.raises(SpeccError, match="does not fit --max-len"):
+        engine.generate(list(range(2, 30)), max_new_tokens=4)
+
+
+def test_load_validates(llama_dir, tmp_path):
+    root, _ = llama_dir
+    path = specc.compile(root / "llama", drafter="none", output_dir=tmp_path / "e", max_len=32, prefill_chunk=8,
+                         progress=False)
+    engine = specc.load(path)
+    with pytest.raises(SpeccError, match="expected"):  # compiled graphs get exactly their static shapes
+        engine.graphs["plain"](torch.zeros(3, dtype=torch.int64), torch.tensor(0), torch.tensor(0.0),
+                               torch.tensor(1.0), torch.zeros(2))
+    manifest = json.loads((path / "specc.json").read_text())
+    manifest["format_version"] = 99
+    (path / "specc.json").write_text(json.dumps(manifest))
+    with pytest.raises(SpeccError, match="format"):
+        specc.load(path)
+    assert not list(path.rglob("*.bin")) and not list(path.rglob("*.pt"))  # no pickles in an engine

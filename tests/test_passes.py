@@ -1,0 +1,324 @@
+"""Graph passes (tree_inputs, verify, compact_kv, sample_last) and the Pipeline, against plain references:
+Hugging Face forwards over explicit token sequences and the plain-Python acceptance oracles."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny import tiny_model  # noqa: E402
+
+from specc.backends import EagerGraph  # noqa: E402
+from specc.capture import NEG_INF, TargetModule, capture, causal_mask  # noqa: E402
+from specc.compiler import GraphPlan, build_program, graph_plans  # noqa: E402
+from specc.passes.compact_kv import compact_kv  # noqa: E402
+from specc.passes.tree_inputs import TreeInputs, tree_inputs  # noqa: E402
+from specc.pipeline import Pipeline  # noqa: E402
+from specc.tree import chain, topk, tree_from_paths  # noqa: E402
+from specc.verify import reference_accept_greedy, reference_accept_sample  # noqa: E402
+
+V = 64  # vocabulary of the tiny models
+S = 48  # cache length
+P = 6  # prompt length
+ATOL = 1e-4
+IRREGULAR = tree_from_paths([[0], [1], [2], [0, 0], [0, 1], [2, 0], [0, 0, 0], [2, 0, 0], [2, 0, 1]])
+TREES = {"topk2x2": topk(2, 2), "irregular": IRREGULAR, "chain3": chain(3), "chain0": chain(0)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a loaded machine each threaded op
+    costs milliseconds of synchronisation: run single-threaded, then restore."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", seed=11)
+
+
+def rand_tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPT = rand_tokens(P, 100)
+
+
+@torch.no_grad()
+def hf_next(model, seq: list[int]) -> torch.Tensor:
+    """HF logits for the token after seq (the plain reference)."""
+    return model(torch.tensor([seq])).logits[0, -1]
+
+
+def node_tokens(tree, tokens: list[int], i: int) -> list[int]:
+    """Tokens from the root to node i, root included."""
+    out = []
+    while i >= 0:
+        out.append(tokens[i])
+        i = tree.parents[i]
+    return out[::-1]
+
+
+def hf_tree_logits(model, tree, tokens: list[int], prefix: list[int]) -> torch.Tensor:
+    return torch.stack([hf_next(model, prefix + node_tokens(tree, tokens, i)) for i in range(tree.size)])
+
+
+@torch.no_grad()
+def prefill(tm: TargetModule, ids: list[int]) -> None:
+    """A plain causal prefill of ids into tm's cache, slots 0..len-1, by calling the module directly."""
+    T = len(ids)
+    pos = torch.arange(T)
+    tm(torch.tensor([ids]), pos.view(1, T).clone(), pos, causal_mask(T, 0, tm.cache_len))
+
+
+def caches(tm: TargetModule) -> list[torch.Tensor]:
+    return [t for b in tm.blocks for t in (b.k_cache, b.v_cache)]
+
+
+def build(tm: TargetModule, T: int, pipeline: Pipeline, dump_dir=None, label="graph"):
+    return build_program(GraphPlan(label, "target", T, pipeline), tm, dump_dir)
+
+
+def force_path(model, tree, want: list[int], prefix: list[int], root: int, seed: int) -> list[int]:
+    """Random tree tokens, changed so that greedy acceptance follows node path `want` exactly:
+    each node on it carries the argmax after its parent, every other child of a node on the path
+    (and every child of its last node) carries something else."""
+    tokens = rand_tokens(tree.size, seed)
+    tokens[0] = root
+    for depth, node in enumerate(want):
+        best = int(hf_next(model, prefix + node_tokens(tree, tokens, node)).argmax())
+        nxt = want[depth + 1] if depth + 1 < len(want) else None
+        for c in tree.children[node]:
+            if c == nxt:
+                tokens[c] = best
+            elif tokens[c] == best:
+                tokens[c] = (best + 1) % V
+    return tokens
+
+
+# --------------------------------------------------------------------------- tree_inputs
+
+
+class Record(nn.Module):
+    def forward(self, tokens, positions, cache_pos, mask):
+        return tokens, positions, cache_pos, mask
+
+
+@pytest.mark.parametrize("name", list(TREES))
+def test_tree_inputs_positions_slots_mask(name):
+    tree = TREES[name]
+    T = tree.size
+    mod = TreeInputs(Record(), tree, S)
+    for base in (0, 5, S - T):
+        toks = torch.arange(T)
+        tokens, positions, slots, mask = mod(toks, torch.tensor(base))
+        assert tokens.shape == (1, T) and tokens[0].tolist() == toks.tolist()
+        assert positions[0].tolist() == [base + d for d in tree.depths]
+        assert slots.tolist() == [base + i for i in range(T)]
+        assert mask.shape == (1, 1, T, S)
+        for i in range(T):
+            anc = set()
+            j = i
+            while j >= 0:  # i, its parent, ..., the root, walked independently of Tree.ancestor_mask
+                anc.add(base + j)
+                j = tree.parents[j]
+            allowed = {s for s in range(S) if s < base} | anc
+            row = mask[0, 0, i]
+            assert {s for s in range(S) if row[s] == 0} == allowed, (name, base, i)
+            assert all(row[s] == NEG_INF for s in range(S) if s not in allowed)
+
+
+@pytest.mark.parametrize("name", list(TREES))
+@torch.no_grad()
+def test_tree_inputs_logits_match_hf_on_each_path(model, name):
+    tree = TREES[name]
+    tm = TargetModule(model, S)
+    ep = build(tm, tree.size, Pipeline().add("tree_inputs", lambda ep: tree_inputs(ep, tree, S)))
+    assert not any(c.any() for c in caches(tm))  # capture and the passes do not write the cache
+    prefill(tm, PROMPT)
+    prefix_cache = [c[:, :, :P].clone() for c in caches(tm)]
+    graph = EagerGraph(ep, tm.state())
+    # Twice at the same base length with different tokens (a rejected step is redone over stale slots).
+    for seed in (1, 2):
+        tokens = rand_tokens(tree.size, seed)
+        logits = graph(torch.tensor(tokens), torch.tensor(P))[0]
+        assert logits.shape == (1, tree.size, V)
+        torch.testing.assert_close(logits[0], hf_tree_logits(model, tree, tokens, PROMPT), atol=ATOL, rtol=0)
+        for c, before in zip(caches(tm), prefix_cache):
+            assert torch.equal(c[:, :, :P], before)  # the committed prefix is never written
+
+
+# --------------------------------------------------------------------------- verify + compact_kv
+
+
+@pytest.fixture(scope="module", params=["topk2x2", "irregular"])
+def step(request, model, tmp_path_factory):
+    """The decode-step program of graph_plans (tree_inputs -> verify -> compact_kv), dumped."""
+    tree = TREES[request.param]
+    (plan,) = [p for p in graph_plans(tree, "ngram", 8, S) if p.name == "step"]
+    assert plan.T == tree.size and plan.pipeline.names == ["tree_inputs", "verify", "compact_kv"]
+    tm = TargetModule(model, S)
+    dump = tmp_path_factory.mktemp("dump")
+    ep = build_program(plan, tm, dump)
+    return request.param, tree, tm, EagerGraph(ep, tm.state()), dump
+
+
+GREEDY_PATHS = {
+    "topk2x2": [[0, 2, 5], [0, 2, 6], [0, 1, 3], [0, 2], [0]],
+    "irregular": [[0, 3, 6, 8], [0, 1, 4, 7], [0, 1, 5], [0, 3], [0]],
+}
+
+
+def assert_cache_is_plain_prefill(model, tm: TargetModule, committed: list[int]) -> None:
+    ref = TargetModule(model, S)
+    prefill(ref, committed)
+    L = len(committed)
+    for got, want in zip(caches(tm), caches(ref)):
+        torch.testing.assert_close(got[:, :, :L], want[:, :, :L], atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_verify_greedy_and_compact_kv(model, step):
+    name, tree, tm, graph, _ = step
+    D = tree.max_depth
+    for k, want in enumerate(GREEDY_PATHS[name]):
+        root = rand_tokens(1, 50 + k)[0]
+        prefill(tm, PROMPT)
+        tokens = force_path(model, tree, want, PROMPT, root, seed=k)
+        n, path, out = graph(torch.tensor(tokens), torch.tensor(P), torch.tensor(0.0), torch.tensor(1.0),
+                             torch.rand(tree.size + 1))
+        logits = hf_tree_logits(model, tree, tokens, PROMPT)
+        ref = reference_accept_greedy(logits, tokens, tree.parents, tree.child_table())
+        assert (int(n), path.tolist(), out.tolist()) == ref
+        assert int(n) == len(want) - 1 and path.tolist()[: len(want)] == want
+        assert path.shape == (D + 1,) and out.shape == (D + 1,)
+        accepted = [tokens[i] for i in want[1:]]
+        assert out.tolist()[:n] == accepted
+        assert out.tolist()[n] == int(hf_next(model, PROMPT + [root] + accepted).argmax())
+
+        # compact_kv: slots P .. P+n hold the K/V of root + accepted tokens, exactly as a plain
+        # causal prefill of the committed sequence writes them.
+        assert_cache_is_plain_prefill(model, tm, PROMPT + [root] + accepted)
+
+        # The compacted cache supports the next step: from base P+n+1 with the bonus as root.
+        committed = PROMPT + [root] + accepted
+        bonus = out.tolist()[n]
+        tokens2 = force_path(model, tree, [0, tree.children[0][-1]], committed, bonus, seed=90 + k)
+        n2, _, out2 = graph(torch.tensor(tokens2), torch.tensor(len(committed)), torch.tensor(0.0),
+                            torch.tensor(1.0), torch.rand(tree.size + 1))
+        logits2 = hf_tree_logits(model, tree, tokens2, committed)
+        ref2 = reference_accept_greedy(logits2, tokens2, tree.parents, tree.child_table())
+        assert int(n2) == ref2[0] >= 1 and out2.tolist() == ref2[2]
+        assert_cache_is_plain_prefill(model, tm, committed + [bonus] + ref2[2][: ref2[0]])
+
+
+@torch.no_grad()
+def test_verify_sampling_matches_reference(model, step):
+    name, tree, tm, graph, _ = step
+    T = tree.size
+    seen_n = set()
+    for k in range(6):
+        root = rand_tokens(1, 70 + k)[0]
+        # Drafts along the argmax make acceptance likely; small uniforms make it likelier still.
+        tokens = force_path(model, tree, GREEDY_PATHS[name][0], PROMPT, root, seed=k)
+        u = torch.rand(T + 1, generator=torch.Generator().manual_seed(k))
+        if k % 2:
+            u[:T] *= 0.05
+        top_p = 1.0 if k < 4 else 0.8
+        temp = 1.0 if k != 3 else 0.7
+        prefill(tm, PROMPT)
+        n, path, out = graph(torch.tensor(tokens), torch.tensor(P), torch.tensor(temp), torch.tensor(top_p), u)
+        logits = hf_tree_logits(model, tree, tokens, PROMPT)
+        ref = reference_accept_sample(logits, tokens, tree.parents, tree.child_table(), temp, top_p, u)
+        assert (int(n), path.tolist(), out.tolist()) == ref, k
+        seen_n.add(int(n))
+        accepted = [tokens[i] for i in ref[1][1:ref[0] + 1]]
+        assert_cache_is_plain_prefill(model, tm, PROMPT + [root] + accepted)
+    assert len(seen_n) > 1  # both short and long acceptances were exercised
+
+
+@torch.no_grad()
+def test_compact_kv_is_identity_on_chains(model):
+    tm = TargetModule(model, S)
+    for k in (0, 3):
+        t = chain(k)
+        ep = build(tm, t.size, Pipeline().add("tree_inputs", lambda ep, t=t: tree_inputs(ep, t, S)))
+        assert compact_kv(ep, t) is ep
+
+
+# --------------------------------------------------------------------------- sample_last
+
+
+@pytest.fixture(scope="module")
+def prefill_program(model):
+    (plan,) = [p for p in graph_plans(chain(0), "none", 8, S) if p.name == "prefill"]
+    assert plan.T == 8 and plan.pipeline.names == ["tree_inputs", "sample_last"]
+    tm = TargetModule(model, S)
+    return tm, EagerGraph(build_program(plan, tm), tm.state())
+
+
+@pytest.mark.parametrize("length", [1, 5, 8, 13])
+@torch.no_grad()
+def test_sample_last_padded_chunks(model, prefill_program, length):
+    tm, graph = prefill_program
+    C = 8
+    ids = rand_tokens(length, 200 + length)
+    for temp in (0.0, 1.0):
+        u = torch.rand(2, generator=torch.Generator().manual_seed(length))
+        for start in range(0, length, C):
+            piece = ids[start:start + C]
+            toks = torch.tensor(piece + [7] * (C - len(piece)))  # padding with a real token id
+            out = graph(toks, torch.tensor(start), torch.tensor(len(piece)), torch.tensor(temp),
+                        torch.tensor(1.0), u)
+        first = out[0]
+        assert first.dim() == 0
+        last = hf_next(model, ids)
+        if temp == 0:
+            assert int(first) == int(last.argmax())
+        else:
+            ref = reference_accept_sample(last[None], [ids[-1]], (-1,), [[-1]], temp, 1.0, u)
+            assert int(first) == ref[2][0]
+        assert_cache_is_plain_prefill(model, tm, ids)
+
+
+# --------------------------------------------------------------------------- Pipeline
+
+
+def test_pipeline_dumps_every_pass(step):
+    _, _, _, _, dump = step
+    names = ["00-capture", "01-tree_inputs", "02-verify", "03-compact_kv"]
+    files = sorted(p.name for p in dump.iterdir())
+    assert files == [f"step.{n}.txt" for n in names]
+    for n in names:
+        text = (dump / f"step.{n}.txt").read_text()
+        assert "# input" in text and "# output" in text and "def forward" in text
+    assert "index_copy" in (dump / "step.00-capture.txt").read_text()
+    assert "USER_INPUT" in (dump / "step.01-tree_inputs.txt").read_text()
+
+
+def test_pipeline_run_order_and_labels(model, tmp_path):
+    tm = TargetModule(model, S)
+    calls = []
+
+    def tag(name):
+        def fn(ep):
+            calls.append(name)
+            return ep
+        return fn
+
+    pipe = Pipeline().add("a", tag("a")).add("b", tag("b"))
+    assert pipe.names == ["a", "b"]
+    args = (torch.zeros(1, 2, dtype=torch.int64), torch.arange(2).view(1, 2), torch.arange(2), causal_mask(2, 0, S))
+    ep = capture(tm, args)
+    assert pipe.run(ep, dump_dir=tmp_path / "d", label="x") is ep
+    assert calls == ["a", "b"]
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["x.00-capture.txt", "x.01-a.txt", "x.02-b.txt"]
+    assert all((tmp_path / "d" / f).stat().st_size > 0 for f in ("x.00-capture.txt", "x.01-a.txt", "x.02-b.txt"))
+    assert pipe.run(ep) is ep  # no dump_dir: nothing written, still runs

@@ -1,0 +1,92 @@
+"""Lossless sampling, checked statistically: the speculative sampler's distribution over the first
+four generated tokens equals plain sampling from the target; a wrong acceptance rule fails the same test."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2
+
+import specc
+import specc.passes.verify as verify_pass
+from specc.verify import accept
+from tiny import tiny_model
+
+V, NEW, RUNS = 8, 4, 1500
+PROMPT = [3, 5, 2, 7]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sampling")
+    target = tiny_model("llama", vocab=V, layers=2, seed=0, scale=4.0)
+    draft = tiny_model("llama", vocab=V, layers=1, seed=1, scale=4.0)
+    target.save_pretrained(root / "target")
+    draft.save_pretrained(root / "draft")
+    return root, target
+
+
+def exact_distribution(target, temperature: float) -> np.ndarray:
+    """p(x1..x4 | prompt) for all V^4 continuations, by enumeration."""
+    seqs = torch.tensor([PROMPT + list(s) for s in itertools.product(range(V), repeat=NEW - 1)])
+    with torch.no_grad():
+        logp = torch.log_softmax(target(seqs).logits.double() / temperature, dim=-1)
+    L = len(PROMPT)
+    joint = logp[:, L - 1, :]  # p(x1), same for every row
+    total = np.zeros((V,) * NEW)
+    for row, s in enumerate(itertools.product(range(V), repeat=NEW - 1)):
+        lp = logp[row, L - 1, s[0]] + logp[row, L, s[1]] + logp[row, L + 1, s[2]]
+        total[s] = (lp + logp[row, L + 2, :]).exp().numpy()
+    del joint
+    return total
+
+
+def g_test(samples: list[tuple], probs: np.ndarray) -> float:
+    """G-test of sampled 4-token outcomes against exact probabilities; sparse cells pooled (expected < 5)."""
+    n = len(samples)
+    counts = np.zeros(probs.size)
+    for s in samples:
+        counts[np.ravel_multi_index(s, probs.shape)] += 1
+    expected = probs.ravel() * n
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    nz = obs > 0
+    g = 2 * np.sum(obs[nz] * np.log(obs[nz] / exp[nz]))
+    return float(chi2.sf(g, len(obs) - 1))
+
+
+def sample_runs(root, tmp_path, tree="chain:3"):
+    path = specc.compile(root / "target", drafter="draft-model", drafter_path=root / "draft", tree=tree,
+                         backend="eager", output_dir=tmp_path / "engine", max_len=32, prefill_chunk=4,
+                         progress=False)
+    engine = specc.load(path)
+    out, steps = [], 0
+    for seed in range(RUNS):
+        r = engine.generate(PROMPT, max_new_tokens=NEW, temperature=1.0, seed=seed, stop_at_eos=False)
+        out.append(tuple(r.token_ids))
+        steps += r.stats.steps
+    return out, steps
+
+
+def test_speculative_sampling_matches_target(models, tmp_path):
+    root, target = models
+    samples, steps = sample_runs(root, tmp_path)
+    assert steps < RUNS * (NEW - 1)  # drafts were accepted, so the rule was exercised
+    p = g_test(samples, exact_distribution(target, 1.0))
+    assert p > 1e-3, f"speculative samples differ from the target distribution (p={p:.2e})"
+
+
+def test_wrong_acceptance_rule_is_detected(models, tmp_path, monkeypatch):
+    """Negative control: accepting drafts with probability min(1, 2 p(x)) must fail the same test."""
+    def over_accepting(logits, tokens, parents, children, temperature, top_p, uniforms):
+        u = torch.cat([uniforms[:-1] * 0.5, uniforms[-1:]])
+        return accept(logits, tokens, parents, children, temperature, top_p, u)
+
+    monkeypatch.setattr(verify_pass, "accept", over_accepting)
+    root, target = models
+    samples, _ = sample_runs(root, tmp_path)
+    p = g_test(samples, exact_distribution(target, 1.0))
+    assert p < 1e-3, f"the wrong rule was not detected (p={p:.2e})"
