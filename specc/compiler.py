@@ -129,7 +129,8 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
     draft_module, draft_entry = None, {"kind": drafter}
     if drafter == "draft-model":
         hf, n, info = _drafter_model(drafter, drafter_path, drafter_layers, target, torch_dtype)
-        draft_module = TargetModule(hf, cache_len, n_layers=n)
+        draft_module = TargetModule(hf, cache_len, n_layers=n,
+                                    share=target_module if info["source"] == "target" else None)
         draft_entry.update(info)
         draft_hf = hf if info["source"] == "model" else None
     elif drafter == "ngram":
@@ -254,7 +255,8 @@ def load(path, check_hashes: bool = True) -> Engine:
     if dr["kind"] == "draft-model":
         hf = model if dr["source"] == "target" else AutoModelForCausalLM.from_pretrained(
             path / "draft", dtype=dtype).eval().requires_grad_(False)
-        modules["draft"] = TargetModule(hf, cache_len, n_layers=dr["layers"])
+        modules["draft"] = TargetModule(hf, cache_len, n_layers=dr["layers"],
+                                        share=modules["target"] if dr["source"] == "target" else None)
     states = {k: m.state() for k, m in modules.items()}
     graphs = {}
     plans = {p.name: p for p in graph_plans(tr, dr["kind"], chunk, cache_len)}
