@@ -182,20 +182,30 @@ def plot_report(report: dict, path) -> None:
 
 def matvec_floor(model, reps: int = 20) -> dict:
     """The time of the model's matrix-vector products alone for one token (every Linear once,
-    batch 1, the LM head included): the part of a decode step no scheduling can remove."""
+    batch 1, the LM head included): the part of a decode step no scheduling can remove. Measured
+    for both weight layouts: [out, in] as nn.Linear keeps it (what HF runs) and [in, out] as
+    specc's decode layout keeps it."""
     import torch.nn.functional as F
 
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    weights = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
     xs = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights]
-    times = []
-    with torch.no_grad():
-        for i in range(reps + 2):
-            t0 = time.perf_counter()
-            for w, x in zip(weights, xs):
-                F.linear(x, w)
-            if i >= 2:  # first passes warm the allocator and caches
-                times.append(time.perf_counter() - t0)
+
+    def median_ms(fn, ws) -> float:
+        times = []
+        with torch.no_grad():
+            for i in range(reps + 2):
+                t0 = time.perf_counter()
+                for w, x in zip(ws, xs):
+                    fn(x, w)
+                if i >= 2:  # the first passes warm the allocator
+                    times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    linear_ms = median_ms(F.linear, weights)
+    transposed = [w.t().contiguous() for w in weights]
+    decode_ms = median_ms(torch.mm, transposed)
+    del transposed
     nbytes = sum(w.numel() * w.element_size() for w in weights)
-    med = statistics.median(times)
-    return {"matvecs": len(weights), "weight_bytes": nbytes, "ms_per_token": med * 1e3,
-            "gb_per_s": nbytes / med / 1e9}
+    return {"matvecs": len(weights), "weight_bytes": nbytes, "ms_per_token": linear_ms,
+            "gb_per_s": nbytes / linear_ms / 1e6, "decode_layout_ms_per_token": decode_ms,
+            "decode_layout_gb_per_s": nbytes / decode_ms / 1e6}
