@@ -32,12 +32,15 @@ def main() -> int:
     ap.add_argument("--out", default="BENCHMARKS.md")
     ap.add_argument("--engines", default="engines/bench")
     ap.add_argument("--datasets", default="humaneval,mt-bench")
+    ap.add_argument("--drafters", default="ngram,draft-model", help="which of the engines to bench")
     a = ap.parse_args()
     cmd = "python examples/bench_foundation.py " + " ".join(sys.argv[1:])
 
     floor = matvec_floor(load_model(None).model)
     sections = []
     for name, drafter, tree, extra in ENGINES:
+        if name not in a.drafters.split(","):
+            continue
         path = specc.compile(None, drafter=drafter, tree=tree, backend="inductor",
                              output_dir=f"{a.engines}/{name}", max_len=1024, **extra)
         for ds in a.datasets.split(","):

@@ -94,7 +94,8 @@ def cmd_bench(a) -> int:
     from .bench import run_bench
 
     report = run_bench(a.engine, dataset=a.dataset, limit=a.limit, max_new_tokens=a.max_new_tokens,
-                       baseline=a.baseline, chat=not a.no_chat, plot=a.plot, write=a.write,
+                       baseline=a.baseline, chat=not a.no_chat, plot=a.plot,
+                       write=None if a.no_write else a.write,
                        progress=not a.json, command=" ".join(["specc"] + sys.argv[1:]))
     if a.json:
         print(json.dumps(report))
@@ -179,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--baseline", default="both", choices=["hf", "ar", "both"])
     b.add_argument("--no-chat", action="store_true", help="do not apply the chat template to prompts")
     b.add_argument("--plot", default=None, metavar="FILE.png", help="acceptance histogram and tokens/s")
-    b.add_argument("--write", default=None, metavar="BENCHMARKS.md", help="append the result table to this file")
+    b.add_argument("--write", default="BENCHMARKS.md", metavar="FILE.md",
+                   help="append the result table and the command to this file (default: BENCHMARKS.md)")
+    b.add_argument("--no-write", action="store_true", help="do not append to any file")
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=cmd_bench)
 

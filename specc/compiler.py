@@ -134,7 +134,8 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
         draft_entry.update(info)
         draft_hf = hf if info["source"] == "model" else None
     elif drafter == "ngram":
-        draft_entry.update({"max_ngram": 4})
+        # min_ngram 3 measured best of 1..3 on MT-Bench and HumanEval (BENCHMARKS.md).
+        draft_entry.update({"max_ngram": 4, "min_ngram": 3})
 
     # 3. Capture, run the passes, lower; everything goes to a staging directory first.
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -272,7 +273,7 @@ def load(path, check_hashes: bool = True) -> Engine:
         graphs[name] = _checked(graphs[name], name, entry["inputs"])
     drafter = None
     if dr["kind"] == "ngram":
-        drafter = NgramDrafter(tr, dr.get("max_ngram", 4))
+        drafter = NgramDrafter(tr, dr.get("max_ngram", 4), dr.get("min_ngram", 3))
     elif dr["kind"] == "draft-model":
         drafter = DraftModelDrafter(tr, graphs["draft_prefill"], graphs["draft_step"], chunk)
     return Engine(manifest, graphs, tokenizer, drafter, tr, path=path)

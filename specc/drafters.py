@@ -41,10 +41,12 @@ def ngram_propose(tokens: np.ndarray, k: int, max_ngram: int = 4, min_ngram: int
 class NgramDrafter:
     kind = "ngram"
 
-    def __init__(self, tree: Tree, max_ngram: int = 4):
+    def __init__(self, tree: Tree, max_ngram: int = 4, min_ngram: int = 3):
         if not tree.is_chain:
             raise SpeccError("the ngram drafter proposes a chain in this version; use --tree chain:K.")
-        self.k, self.max_ngram = tree.size - 1, max_ngram
+        # A match shorter than min_ngram predicts poorly; without a match the step falls back to
+        # the plain one-token graph, which is cheaper than verifying a likely-rejected chain.
+        self.k, self.max_ngram, self.min_ngram = tree.size - 1, max_ngram, min_ngram
 
     def start(self, prompt_ids: list[int], temperature, top_p) -> None:
         self.buf = np.array(prompt_ids, dtype=np.int64)
@@ -53,7 +55,7 @@ class NgramDrafter:
         """Drafts for the tree's non-root nodes, and whether anything matched (else the step can be plain)."""
         if len(self.buf) < len(committed):
             self.buf = np.asarray(committed, dtype=np.int64)
-        drafts = ngram_propose(self.buf, self.k, self.max_ngram)
+        drafts = ngram_propose(self.buf, self.k, self.max_ngram, self.min_ngram)
         found = len(drafts) > 0
         drafts = drafts + [drafts[-1] if drafts else committed[-1]] * (self.k - len(drafts))
         return drafts, found
