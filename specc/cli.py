@@ -210,6 +210,8 @@ def main(argv=None) -> int:
     except SpeccError as e:
         sys.stderr.write(f"specc: error: {e}\n")
         return 2
+    except BrokenPipeError:  # `specc ... | head`
+        return 0
     except KeyboardInterrupt:
         sys.stderr.write("specc: interrupted\n")
         return 130

@@ -77,11 +77,9 @@ class DraftModelDrafter:
         self.u1 = torch.zeros(2)
 
     def start(self, prompt_ids: list[int], temperature, top_p) -> None:
-        C = self.chunk
-        for start in range(0, len(prompt_ids), C):
-            piece = prompt_ids[start:start + C]
-            toks = torch.tensor(piece + [0] * (C - len(piece)), dtype=torch.int64)
-            self.prefill_graph(toks, torch.tensor(start), torch.tensor(len(piece)), self.zero, self.one, self.u1)
+        from .runtime import prefill
+
+        prefill(prompt_ids, self.prefill_graph, self.step_graph, self.chunk, self.zero, self.one, torch.Generator())
         self.cached = len(prompt_ids)  # tokens whose K/V the drafter holds
 
     def _next(self, token: int, pos: int) -> int:

@@ -104,3 +104,14 @@ def test_load_validates(llama_dir, tmp_path):
     with pytest.raises(SpeccError, match="format"):
         specc.load(path)
     assert not list(path.rglob("*.bin")) and not list(path.rglob("*.pt"))  # no pickles in an engine
+
+
+def test_prefill_every_tail_length(llama_dir, tmp_path):
+    """Prompts of every length around the chunk size: whole chunks, padded chunks, and short tails
+    that go through the one-token graph, for the target and the draft model alike."""
+    root, model = llama_dir
+    engine = specc.load(specc.compile(root / "llama", drafter="draft-model", drafter_layers=1, tree="chain:2",
+                                      output_dir=tmp_path / "e", max_len=48, prefill_chunk=4, progress=False))
+    for n in range(1, 11):
+        ids = (PROMPT * 2)[:n]
+        assert engine.generate(ids, max_new_tokens=6, stop_at_eos=False).token_ids == hf_greedy(model, ids, 6)
