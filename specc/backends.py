@@ -90,23 +90,40 @@ def graph_state_keys(ep: torch.export.ExportedProgram, state: dict[str, torch.Te
     return sorted(set(state_names(ep.module(), state).values()))
 
 
+def lift(ep: torch.export.ExportedProgram, state: dict[str, torch.Tensor], example_args: tuple):
+    """Export the program again with the engine's tensors it uses as a leading dict input."""
+    module = ep.module()
+    names = state_names(module, state)
+    sub = {k: state[k] for k in sorted(set(names.values()))}
+    with torch.no_grad():
+        return torch.export.export(Lifted(module, names), (sub, *example_args), strict=False), sub
+
+
+def cache_key(lifted_ep: torch.export.ExportedProgram, sub: dict, example_args: tuple) -> str:
+    """What the compiled code depends on: graph text, shapes, dtypes, versions, and the exact bytes
+    of the graph's own constants (tree masks, child tables) -- not the engine's weights, which are inputs."""
+    h = hashlib.sha256()
+    for part in (lifted_ep.graph_module.code,
+                 repr([(k, tuple(v.shape), str(v.dtype)) for k, v in sub.items()]),
+                 repr([(tuple(a.shape), str(a.dtype)) for a in example_args]),
+                 torch.__version__, "specc-aoti-2"):
+        h.update(part.encode())
+    for name, c in sorted(lifted_ep.constants.items()):
+        h.update(name.encode())
+        if isinstance(c, torch.Tensor):
+            h.update(f"{tuple(c.shape)}{c.dtype}".encode())
+            h.update(c.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(c).encode())
+    return h.hexdigest()[:32]
+
+
 def compile_inductor(ep: torch.export.ExportedProgram, state: dict[str, torch.Tensor], out_path: Path,
                      example_args: tuple) -> list[str]:
     """Compile to an AOTInductor package at out_path (through the compile cache); returns the state keys it takes."""
-    module = ep.module()
-    names = state_names(module, state)
-    keys = sorted(set(names.values()))
-    sub = {k: state[k] for k in keys}
-    with torch.no_grad():
-        lifted_ep = torch.export.export(Lifted(module, names), (sub, *example_args), strict=False)
-    key_src = "\n".join([
-        lifted_ep.graph_module.code,
-        repr([(k, tuple(v.shape), str(v.dtype)) for k, v in sub.items()]),
-        repr([(tuple(a.shape), str(a.dtype)) for a in example_args]),
-        repr({n: repr(c) for n, c in lifted_ep.constants.items()}),
-        torch.__version__, "specc-aoti-1",
-    ])
-    key = hashlib.sha256(key_src.encode()).hexdigest()[:32]
+    lifted_ep, sub = lift(ep, state, example_args)
+    keys = list(sub)
+    key = cache_key(lifted_ep, sub, example_args)
     cached = cache_dir() / "aoti" / f"{key}.pt2"
     if not cached.is_file():
         cached.parent.mkdir(parents=True, exist_ok=True)

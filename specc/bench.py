@@ -25,13 +25,15 @@ def hf_generate_timer(engine_dir: Path, dtype):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(Path(engine_dir) / "target", dtype=dtype).eval()
+    eos = model.config.eos_token_id
+    pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) or 0
 
     def run(ids: list[int], n: int) -> tuple[list[int], float]:
         x = torch.tensor([ids])
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, pad_token_id=model.config.eos_token_id or 0)
+                                 do_sample=False, pad_token_id=pad)
         return out[0, len(ids):].tolist(), time.perf_counter() - t0
 
     return run
