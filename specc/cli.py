@@ -132,8 +132,27 @@ def cmd_inspect(a) -> int:
 
 
 def cmd_train(a) -> int:
-    raise SpeccError(f"training a {a.drafter} drafter is not available in this version of specc; "
-                     f"the ngram and draft-model drafters need no training.")
+    from .train import SMOKE, TrainConfig, train
+
+    if a.drafter == "dspark":
+        raise SpeccError("training a dspark drafter is not available in this version of specc; "
+                         "use --drafter dflash or mtp.")
+    fields = {k: getattr(a, k) for k in TrainConfig.__dataclass_fields__ if getattr(a, k, None) is not None}
+    cfg = TrainConfig(**{**(SMOKE if a.smoke else {}), **fields})  # explicit options win over --smoke's
+    res = train(a.model, a.output, cfg, smoke=a.smoke, progress=not a.json,
+                log=(lambda m: None) if a.json else print)
+    if a.json:
+        print(json.dumps(res))
+    else:
+        ev = res["eval"] or {}
+        print(f"trained {res['drafter']} drafter in {res['output']}: {res['steps']} steps on {res['sequences']} "
+              f"sequences, held-out tau {ev.get('tau')} (greedy, full block, {ev.get('anchors')} anchors)")
+        extra = [f"chain:{k} {v}" for k, v in ((k.removeprefix('tau_chain'), v) for k, v in ev.items()
+                                               if k.startswith("tau_chain"))]
+        if extra:
+            print("  held-out tau by chain length: " + ", ".join(extra))
+        print(f"  curve: {Path(res['output']) / 'train' / 'curve.png'}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,11 +212,26 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=cmd_inspect)
 
-    t = sub.add_parser("train", help="train a drafter (not in this version)")
-    t.add_argument("model", nargs="?", default=None)
+    t = sub.add_parser("train", help="train a DFlash or MTP drafter by self-distillation on ShareGPT prompts")
+    t.add_argument("model", nargs="?", default=None, help="target (default: embedded SmolLM2-135M-Instruct)")
     t.add_argument("--drafter", required=True, choices=["mtp", "dflash", "dspark"])
-    t.add_argument("--data", default="sharegpt")
-    t.add_argument("-o", "--output", required=True)
+    t.add_argument("-o", "--output", required=True, help="run directory; the same command resumes a stopped run")
+    t.add_argument("--layers", type=int, help="DFlash layers / MTP modules (default 1)")
+    t.add_argument("--block-size", type=int, dest="block_size", help="DFlash block size / MTP depth + 1 (default 16)")
+    t.add_argument("--taps", type=int, help="DFlash: target layers to condition on (default 3)")
+    t.add_argument("--labels", choices=["regenerate", "data"], help="sequences: the target's own responses "
+                   "(default) or the dataset's")
+    t.add_argument("--prompts", type=int, help="training sequences (default 1000)")
+    t.add_argument("--eval-prompts", type=int, dest="eval_prompts", help="held-out sequences (default 24)")
+    t.add_argument("--response-len", type=int, dest="response_len", help="new tokens per response (default 192)")
+    t.add_argument("--steps", type=int, help="optimizer steps, one sequence each (default 2000)")
+    t.add_argument("--anchors", type=int, help="DFlash blocks per sequence (default 64)")
+    t.add_argument("--lr", type=float, help="peak learning rate (default 6e-4)")
+    t.add_argument("--seed", type=int)
+    t.add_argument("--eval-every", type=int, dest="eval_every")
+    t.add_argument("--checkpoint-every", type=int, dest="checkpoint_every")
+    t.add_argument("--smoke", action="store_true", help="a tiny random target and a few steps (for CI)")
+    t.add_argument("--json", action="store_true")
     t.set_defaults(fn=cmd_train)
     return p
 

@@ -19,37 +19,43 @@ from tqdm import tqdm
 from . import __version__
 from .backends import EagerGraph, InductorGraph, check_backend, compile_inductor
 from .capture import TargetModule, capture, causal_mask, sliding_window_limit
-from .drafters import DraftModelDrafter, NgramDrafter, check_drafter
+from .dflash import DFlashStep, check_fits, load_dflash, save_dflash
+from .drafters import DFlashDrafterRuntime, DraftModelDrafter, NgramDrafter, check_drafter
 from .errors import SpeccError
 from .models import load_model, parse_dtype, sha256_file
 from .pipeline import Pipeline, example_inputs
 from .runtime import Engine
 from .tree import Tree, chain, parse_tree, tree_from_paths
 from specc.passes.compact_kv import compact_kv
+from specc.passes.matvec import matvec
 from specc.passes.sample_last import sample_last
 from specc.passes.tree_inputs import tree_inputs
 from specc.passes.verify import verify
 
 FORMAT_VERSION = 1
 MANIFEST = "specc.json"
-DEFAULT_TREE = {"none": "chain:0", "ngram": "chain:4", "draft-model": "chain:4"}
+DEFAULT_TREE = {"none": "chain:0", "ngram": "chain:4", "draft-model": "chain:4", "dflash": "chain:4"}
 
 
 @dataclass
 class GraphPlan:
     name: str
-    module: str  # "target" | "draft": whose tensors the graph runs on
+    module: str  # "target" | "draft" | "dflash": whose tensors the graph runs on
     T: int  # tokens per call
     pipeline: Pipeline
 
 
-def graph_plans(tree: Tree, drafter: str, chunk: int, cache_len: int) -> list[GraphPlan]:
+def graph_plans(tree: Tree, drafter: str, chunk: int, cache_len: int, backend: str = "eager") -> list[GraphPlan]:
     """Which graphs an engine holds, and the passes that make each one from the captured model."""
+    def start() -> Pipeline:
+        # Inductor only: it turns few-row products into streaming reductions; eager would materialise them.
+        return Pipeline().add("matvec", matvec) if backend == "inductor" else Pipeline()
+
     def decode(t: Tree) -> Pipeline:
-        return (Pipeline().add("tree_inputs", lambda ep: tree_inputs(ep, t, cache_len))
+        return (start().add("tree_inputs", lambda ep: tree_inputs(ep, t, cache_len))
                 .add("verify", lambda ep: verify(ep, t)).add("compact_kv", lambda ep: compact_kv(ep, t)))
 
-    prefill = (Pipeline().add("tree_inputs", lambda ep: tree_inputs(ep, chain(chunk - 1), cache_len))
+    prefill = (start().add("tree_inputs", lambda ep: tree_inputs(ep, chain(chunk - 1), cache_len))
                .add("sample_last", sample_last))
     plans = [GraphPlan("prefill", "target", chunk, prefill), GraphPlan("plain", "target", 1, decode(chain(0)))]
     if drafter != "none":
@@ -57,12 +63,22 @@ def graph_plans(tree: Tree, drafter: str, chunk: int, cache_len: int) -> list[Gr
     if drafter == "draft-model":
         plans.append(GraphPlan("draft_prefill", "draft", chunk, prefill))
         plans.append(GraphPlan("draft_step", "draft", 1, decode(chain(0))))
+    if drafter == "dflash":
+        # Context rows of a prefill chunk, and of one step (at most the tree's size are committed).
+        plans.append(GraphPlan("dflash_prefill", "dflash", chunk, start()))
+        plans.append(GraphPlan("dflash_step", "dflash", tree.size, start()))
     return plans
 
 
-def build_program(plan: GraphPlan, module: TargetModule, dump_dir: Path | None = None):
-    T, S = plan.T, module.cache_len
-    args = (torch.zeros(1, T, dtype=torch.int64), torch.arange(T).view(1, T), torch.arange(T), causal_mask(T, 0, S))
+def build_program(plan: GraphPlan, module, dump_dir: Path | None = None):
+    T = plan.T
+    if isinstance(module, DFlashStep):  # (taps [R, L*H], ctx_start, n_ctx, anchor)
+        width = module.drafter.fc.in_features
+        args = (torch.zeros(T, width, dtype=module.drafter.fc.weight.dtype), torch.tensor(0), torch.tensor(T),
+                torch.tensor(0))
+    else:
+        args = (torch.zeros(1, T, dtype=torch.int64), torch.arange(T).view(1, T), torch.arange(T),
+                causal_mask(T, 0, module.cache_len))
     ep = capture(module, args)
     return plan.pipeline.run(ep, dump_dir=dump_dir, label=plan.name)
 
@@ -113,10 +129,21 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
         raise SpeccError(f"--tree {tree_spec} needs a drafter to fill it; add --drafter ngram or draft-model.")
     if drafter != "none" and tr.size < 2:
         raise SpeccError(f"--tree {tree_spec} has no draft tokens; use chain:K with K >= 1.")
-    if drafter != "draft-model" and (drafter_path is not None or drafter_layers is not None):
-        raise SpeccError("--drafter-path and --drafter-layers only apply to --drafter draft-model.")
-    if drafter in ("ngram", "draft-model") and not tr.is_chain:
+    if drafter not in ("draft-model", "dflash") and drafter_path is not None:
+        raise SpeccError("--drafter-path only applies to --drafter draft-model or dflash.")
+    if drafter != "draft-model" and drafter_layers is not None:
+        raise SpeccError("--drafter-layers only applies to --drafter draft-model.")
+    if drafter in ("ngram", "draft-model", "dflash") and not tr.is_chain:
         raise SpeccError(f"the {drafter} drafter proposes a chain in this version; use --tree chain:K.")
+    dflash = None
+    if drafter == "dflash":
+        if drafter_path is None:
+            raise SpeccError("--drafter dflash needs --drafter-path DIR, a DFlash drafter directory "
+                             "(config.json + safetensors), e.g. one written by `specc train`.")
+        dflash = load_dflash(drafter_path, torch_dtype)
+        if tr.size > dflash.config.block_size:
+            raise SpeccError(f"--tree {tree_spec} needs {tr.size - 1} drafts, but the DFlash drafter's block of "
+                             f"{dflash.config.block_size} gives {dflash.config.block_size - 1}.")
 
     # 2. Load the models.
     target = load_model(model, torch_dtype)
@@ -125,7 +152,11 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
     if window is not None and max_len > window:
         raise SpeccError(f"the model uses sliding-window attention of {window} tokens; use --max-len {window} or less.")
     cache_len = max_len + max(prefill_chunk, tr.size)
-    target_module = TargetModule(target.model, cache_len)
+    taps = ()
+    if dflash is not None:
+        check_fits(dflash.config, cfg)
+        taps = tuple(dflash.config.target_layer_ids)
+    target_module = TargetModule(target.model, cache_len, taps=taps)
     draft_module, draft_entry = None, {"kind": drafter}
     if drafter == "draft-model":
         hf, n, info = _drafter_model(drafter, drafter_path, drafter_layers, target, torch_dtype)
@@ -133,6 +164,11 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
                                     share=target_module if info["source"] == "target" else None)
         draft_entry.update(info)
         draft_hf = hf if info["source"] == "model" else None
+    elif drafter == "dflash":
+        draft_module = DFlashStep(dflash, target_module.embed_tokens, target_module.w_head, cache_len)
+        c = dflash.config
+        draft_entry.update({"block_size": c.block_size, "num_layers": c.num_layers,
+                            "target_layer_ids": c.target_layer_ids, "mask_token_id": c.mask_token_id})
     elif drafter == "ngram":
         # min_ngram 3 measured best of 1..3 on MT-Bench and HumanEval (BENCHMARKS.md).
         draft_entry.update({"max_ngram": 4, "min_ngram": 3})
@@ -141,7 +177,7 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
-        plans = graph_plans(tr, drafter, prefill_chunk, cache_len)
+        plans = graph_plans(tr, drafter, prefill_chunk, cache_len, backend)
         graphs = {}
         bar = tqdm(plans, desc=f"compile ({backend})", unit="graph", disable=not progress)
         for plan in bar:
@@ -165,6 +201,8 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
             target.tokenizer.save_pretrained(stage / "target")
         if drafter == "draft-model" and draft_hf is not None:
             draft_hf.save_pretrained(stage / "draft")
+        if dflash is not None:
+            save_dflash(dflash, stage / "draft")
         for p in stage.rglob("*"):
             if p.suffix in (".bin", ".pkl", ".pickle", ".pt"):
                 raise SpeccError(f"refusing to write pickled file {p.name} into the engine.")
@@ -251,16 +289,19 @@ def load(path, check_hashes: bool = True) -> Engine:
         tokenizer = None
     cache_len, chunk = manifest["cache_len"], manifest["prefill_chunk"]
     tr = tree_from_paths(manifest["tree"]["paths"])
-    modules = {"target": TargetModule(model, cache_len)}
     dr = manifest["drafter"]
+    modules = {"target": TargetModule(model, cache_len, taps=tuple(dr.get("target_layer_ids", ())))}
     if dr["kind"] == "draft-model":
         hf = model if dr["source"] == "target" else AutoModelForCausalLM.from_pretrained(
             path / "draft", dtype=dtype).eval().requires_grad_(False)
         modules["draft"] = TargetModule(hf, cache_len, n_layers=dr["layers"],
                                         share=modules["target"] if dr["source"] == "target" else None)
+    if dr["kind"] == "dflash":
+        dflash = load_dflash(path / "draft", dtype)
+        modules["dflash"] = DFlashStep(dflash, modules["target"].embed_tokens, modules["target"].w_head, cache_len)
     states = {k: m.state() for k, m in modules.items()}
     graphs = {}
-    plans = {p.name: p for p in graph_plans(tr, dr["kind"], chunk, cache_len)}
+    plans = {p.name: p for p in graph_plans(tr, dr["kind"], chunk, cache_len, backend)}
     for name, entry in manifest["graphs"].items():
         if name not in plans or plans[name].T != entry["tokens"]:
             raise SpeccError(f"graph {name} in the manifest does not match this engine's tree and drafter; "
@@ -276,6 +317,8 @@ def load(path, check_hashes: bool = True) -> Engine:
         drafter = NgramDrafter(tr, dr.get("max_ngram", 4), dr.get("min_ngram", 3))
     elif dr["kind"] == "draft-model":
         drafter = DraftModelDrafter(tr, graphs["draft_prefill"], graphs["draft_step"], chunk)
+    elif dr["kind"] == "dflash":
+        drafter = DFlashDrafterRuntime(tr, graphs["dflash_prefill"], graphs["dflash_step"], chunk)
     return Engine(manifest, graphs, tokenizer, drafter, tr, path=path)
 
 

@@ -1,6 +1,6 @@
-"""Drafters that need no training: n-gram prompt lookup and a smaller draft model.
+"""The runtime side of each drafter: n-gram prompt lookup, a smaller draft model, and DFlash.
 
-Both propose deterministic drafts (q is one-hot), which the verifier accepts with the exact
+All propose deterministic drafts (q is one-hot), which the verifier accepts with the exact
 one-hot rule, so sampling stays lossless without a drafter distribution.
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ DRAFTERS = ("none", "ngram", "draft-model", "mtp", "dflash", "dspark")
 def check_drafter(name: str) -> None:
     if name not in DRAFTERS:
         raise SpeccError(f"--drafter {name!r} is unknown; use one of {', '.join(DRAFTERS)}.")
-    if name in ("mtp", "dflash", "dspark"):
-        raise SpeccError(f"the {name} drafter needs trained heads and is not available in this version of "
-                         f"specc; use --drafter ngram or draft-model.")
+    if name in ("mtp", "dspark"):
+        raise SpeccError(f"the {name} drafter is not available in engines in this version of specc; "
+                         f"use --drafter dflash, ngram or draft-model.")
 
 
 def ngram_propose(tokens: np.ndarray, k: int, max_ngram: int = 4, min_ngram: int = 1) -> list[int]:
@@ -99,3 +99,50 @@ class DraftModelDrafter:
     def accepted(self, committed: list[int], n_accepted: int) -> None:
         # Draft j (1-based) was fed for j < k, so the drafter already holds the accepted ones below k.
         self.cached = self.pending + min(n_accepted, self.k - 1)
+
+
+class DFlashDrafterRuntime:
+    """Feeds the target's tapped hidden states of committed tokens into the DFlash graphs' context
+    cache and drafts a block after the last committed token (the anchor)."""
+
+    kind = "dflash"
+    needs_taps = True
+
+    def __init__(self, tree: Tree, prefill_graph, step_graph, chunk: int):
+        if not tree.is_chain:
+            raise SpeccError("the dflash drafter proposes a chain in this version; use --tree chain:K.")
+        self.k = tree.size - 1
+        self.chunk, self.prefill_graph = chunk, prefill_graph  # rows per call, and its graph
+        self.step_rows, self.step_graph = tree.size, step_graph
+
+    def start(self, prompt_ids: list[int], temperature, top_p) -> None:
+        self.pending: list[torch.Tensor] = []  # context rows not yet in the drafter's cache
+        self.pending_start = 0  # position of the first pending row
+
+    def add_rows(self, rows: torch.Tensor, start: int) -> None:
+        """rows [n, L*H]: the taps of committed tokens at positions start..start+n-1."""
+        if not self.pending:
+            self.pending_start = start
+        self.pending.append(rows)
+
+    def propose(self, committed: list[int]) -> tuple[list[int], bool]:
+        rows = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
+        start, n = self.pending_start, rows.shape[0]
+        assert start + n == len(committed) - 1, "every committed token but the anchor has its context row"
+        drafts = None
+        done = 0
+        while done < n:  # the last call's block is the one that counts
+            R, graph = ((self.step_rows, self.step_graph) if n - done <= self.step_rows
+                        else (self.chunk, self.prefill_graph))
+            piece = rows[done: done + R]
+            m = piece.shape[0]
+            if m < R:
+                piece = torch.cat((piece, piece.new_zeros(R - m, piece.shape[1])))
+            pos = start + done
+            drafts = graph(piece, torch.tensor(pos), torch.tensor(m), torch.tensor(committed[pos + m]))
+            done += m
+        self.pending = []
+        return drafts[: self.k].tolist(), True
+
+    def accepted(self, committed: list[int], n_accepted: int) -> None:
+        pass

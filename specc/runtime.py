@@ -21,9 +21,15 @@ from .errors import SpeccError
 PLAIN_TAIL = 3
 
 
-def prefill(ids: list[int], chunk_graph, one_graph, chunk: int, temperature, top_p, gen) -> int:
+def tap_rows(taps, rows) -> torch.Tensor:
+    """The hidden-state taps [1, T, H] each of a graph call, at row indices `rows`, side by side [n, L*H]."""
+    return torch.cat([t[0].index_select(0, rows) for t in taps], dim=-1)
+
+
+def prefill(ids: list[int], chunk_graph, one_graph, chunk: int, temperature, top_p, gen, on_rows=None) -> int:
     """Fill the cache with `ids` (static chunks, a short tail one token at a time) and return the
-    token that follows them, drawn by the same rule as a decode step."""
+    token that follows them, drawn by the same rule as a decode step. `on_rows(rows, start)`
+    receives the taps of the prompt's rows (when the graphs have taps)."""
     L = len(ids)
     tail = L % chunk
     chunked = L - tail if 0 < tail <= PLAIN_TAIL else L
@@ -31,11 +37,16 @@ def prefill(ids: list[int], chunk_graph, one_graph, chunk: int, temperature, top
     for start in range(0, chunked, chunk):
         piece = ids[start:start + chunk]
         toks = torch.tensor(piece + [0] * (chunk - len(piece)), dtype=torch.int64)
-        first = chunk_graph(toks, torch.tensor(start), torch.tensor(len(piece)), temperature, top_p,
-                            torch.rand(2, generator=gen))[0]
+        res = chunk_graph(toks, torch.tensor(start), torch.tensor(len(piece)), temperature, top_p,
+                          torch.rand(2, generator=gen))
+        first = res[0]
+        if on_rows is not None:
+            on_rows(tap_rows(res[1:], torch.arange(len(piece))), start)
     for pos in range(chunked, L):
-        first = one_graph(torch.tensor([ids[pos]]), torch.tensor(pos), temperature, top_p,
-                          torch.rand(2, generator=gen))[2][0]
+        res = one_graph(torch.tensor([ids[pos]]), torch.tensor(pos), temperature, top_p, torch.rand(2, generator=gen))
+        first = res[2][0]
+        if on_rows is not None:
+            on_rows(tap_rows(res[3:], torch.arange(1)), pos)
     return int(first)
 
 
@@ -117,10 +128,12 @@ class Engine:
         step = self.graphs["step"] if drafter is not None else self.graphs["plain"]
         T = self.tree.size if drafter is not None else 1
         t0 = time.perf_counter()
-        first = prefill(ids, self.graphs["prefill"], self.graphs["plain"], self.chunk, temp_t, top_p_t, gen)
-        committed = ids + [int(first)]
+        on_rows = None
         if drafter is not None:
             drafter.start(ids, temperature, top_p)
+            on_rows = drafter.add_rows if getattr(drafter, "needs_taps", False) else None
+        first = prefill(ids, self.graphs["prefill"], self.graphs["plain"], self.chunk, temp_t, top_p_t, gen, on_rows)
+        committed = ids + [int(first)]
         stats.prefill_s = time.perf_counter() - t0
         stats.prompt_tokens = L
         yield [int(first)]
@@ -137,8 +150,11 @@ class Engine:
             else:
                 graph, size = step, 1
                 tokens = torch.tensor([committed[-1]], dtype=torch.int64)
-            n, _, out = graph(tokens, torch.tensor(base_len), temp_t, top_p_t, torch.rand(size + 1, generator=gen))[:3]
+            n, path, out, *taps = graph(tokens, torch.tensor(base_len), temp_t, top_p_t,
+                                        torch.rand(size + 1, generator=gen))
             n = int(n)
+            if on_rows is not None:  # the root and the accepted drafts are now committed context
+                on_rows(tap_rows(taps, path[: n + 1]), base_len)
             new = out[: n + 1].tolist()
             stats.steps += 1
             while len(stats.accepted_hist) <= n:

@@ -164,6 +164,9 @@ COMPILE_ERRORS = {  # id: (argv before -o, words the message must contain)
     "unknown-backend": (lambda c: [c.model, "--backend", "cuda-magic"], ["--backend", "cuda-magic"]),
     "tensorrt": (lambda c: [c.model, "--backend", "tensorrt"], ["tensorrt", "not"]),
     "drafter-mtp": (lambda c: [c.model, "--drafter", "mtp"], ["mtp", "not available"]),
+    "dflash-without-path": (lambda c: [c.model, "--drafter", "dflash"], ["dflash", "--drafter-path"]),
+    "dflash-path-not-dflash": (lambda c: [c.model, "--drafter", "dflash", "--drafter-path", c.model],
+                               ["not a DFlash drafter"]),
     "tree-without-drafter": (lambda c: [c.model, "--drafter", "none", "--tree", "chain:3"], ["chain:3", "drafter"]),
     "max-len-0": (lambda c: [c.model, "--max-len", "0"], ["--max-len"]),
     "max-len-not-int": (lambda c: [c.model, "--max-len", "many"], ["--max-len"]),
@@ -216,14 +219,14 @@ def test_compile_refuses_to_overwrite_other_content(result, kind):
     assert leftovers(out) == []
 
 
-@job("test_train_is_not_available")
+@job("test_train_dspark_is_not_available")
 def _(c: Ctx):
-    return c.tmp / "x", c.specc("train", "--drafter", "dflash", "-o", c.tmp / "x")
+    return c.tmp / "x", c.specc("train", "--drafter", "dspark", "-o", c.tmp / "x")
 
 
-def test_train_is_not_available(result):
+def test_train_dspark_is_not_available(result):
     out, proc = result
-    assert_user_error(proc, "dflash", "not available")
+    assert_user_error(proc, "dspark", "not available")
     assert not out.exists()
 
 

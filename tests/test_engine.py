@@ -140,3 +140,60 @@ def test_compile_cache_key_sees_the_tree(llama_dir):
     a = key([[0], [1], [0, 0]])
     assert a == key([[0], [1], [0, 0]])
     assert a != key([[0], [1], [1, 0]])
+
+
+def random_dflash(target, path, block=4, layers=1, seed=0):
+    from specc.dflash import DFlashDrafter, dflash_config_for, save_dflash
+
+    torch.manual_seed(seed)
+    d = DFlashDrafter(dflash_config_for(target.config, num_layers=layers, block_size=block, num_taps=2,
+                                        mask_token_id=3))
+    with torch.no_grad():
+        for p in d.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 if p.dim() > 1 else 1 + 0.1 * torch.randn_like(p))
+    return save_dflash(d, path), d
+
+
+@pytest.mark.parametrize("arch,backend", [("llama", "eager"), ("qwen3", "eager"), ("llama", "inductor")])
+def test_dflash_engine_greedy_and_context_rows(tmp_path, arch, backend):
+    """Greedy output equals the target's; every block the engine drafts equals the teacher-forced
+    reference forward over the committed tokens (so the context rows, positions and anchor that
+    the runtime feeds the drafter's cache are the right ones)."""
+    from specc.dflash import draft_logits
+
+    model = tiny_model(arch, vocab=64, layers=3, seed=2)
+    model.save_pretrained(tmp_path / "m")
+    dpath, d = random_dflash(model, tmp_path / "dflash", block=4)
+    engine = specc.load(specc.compile(tmp_path / "m", drafter="dflash", drafter_path=dpath, tree="chain:3",
+                                      backend=backend, output_dir=tmp_path / "e", max_len=64, prefill_chunk=8,
+                                      progress=False))
+    seen = []
+    real = engine.drafter.propose
+    engine.drafter.propose = lambda committed: seen.append((list(committed), out := real(committed))) or out
+    for prompt in (PROMPT, PROMPT[:3], PROMPT * 2):
+        res = engine.generate(prompt, max_new_tokens=20, stop_at_eos=False)
+        assert res.token_ids == hf_greedy(model, prompt, 20)
+    assert len(seen) > 20
+    with torch.no_grad():
+        for committed, (drafts, _) in seen:
+            hs = model(torch.tensor([committed]), output_hidden_states=True).hidden_states
+            taps = torch.cat([hs[i + 1][0] for i in d.config.target_layer_ids], dim=-1)
+            ref = draft_logits(d, model.model.embed_tokens, model.lm_head.weight, taps, torch.tensor(committed),
+                               torch.tensor([len(committed) - 1]))[0].argmax(-1)
+            assert drafts == ref.tolist()
+
+
+def test_dflash_refusals(llama_dir, tmp_path):
+    root, model = llama_dir
+    dpath, _ = random_dflash(model, tmp_path / "dflash", block=4)
+    with pytest.raises(SpeccError, match="--drafter-path"):
+        specc.compile(root / "llama", drafter="dflash", output_dir=tmp_path / "e1", progress=False)
+    with pytest.raises(SpeccError, match="block of 4 gives 3"):
+        specc.compile(root / "llama", drafter="dflash", drafter_path=dpath, tree="chain:5",
+                      output_dir=tmp_path / "e2", progress=False)
+    other = tiny_model("llama", vocab=64, layers=4, seed=3)
+    opath, _ = random_dflash(other, tmp_path / "other", block=4)
+    with pytest.raises(SpeccError, match="4-layer model, but the target has 2 layers"):
+        specc.compile(root / "llama", drafter="dflash", drafter_path=opath, tree="chain:3",
+                      output_dir=tmp_path / "e3", progress=False)
+    assert not (tmp_path / "e1").exists() and not (tmp_path / "e2").exists() and not (tmp_path / "e3").exists()

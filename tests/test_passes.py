@@ -16,6 +16,7 @@ from specc.backends import EagerGraph  # noqa: E402
 from specc.capture import NEG_INF, TargetModule, capture, causal_mask  # noqa: E402
 from specc.compiler import GraphPlan, build_program, graph_plans  # noqa: E402
 from specc.passes.compact_kv import compact_kv  # noqa: E402
+from specc.passes.matvec import matvec  # noqa: E402
 from specc.passes.tree_inputs import TreeInputs, tree_inputs  # noqa: E402
 from specc.pipeline import Pipeline  # noqa: E402
 from specc.tree import chain, topk, tree_from_paths  # noqa: E402
@@ -278,6 +279,37 @@ def test_sample_last_padded_chunks(model, prefill_program, length):
             ref = reference_accept_sample(last[None], [ids[-1]], (-1,), [[-1]], temp, 1.0, u)
             assert int(first) == ref[2][0]
         assert_cache_is_plain_prefill(model, tm, ids)
+
+
+# --------------------------------------------------------------------------- matvec
+
+
+def op_count(ep, op) -> int:
+    return sum(1 for n in ep.graph.nodes if n.op == "call_function" and n.target is op)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the q/k/v bias path
+@pytest.mark.parametrize("T", [1, 3, 5, 6])
+@torch.no_grad()
+def test_matvec_rewrites_few_row_linears_only(arch, T):
+    model = tiny_model(arch, seed=3)
+    tm = TargetModule(model, S)
+    args = (torch.tensor([rand_tokens(T, T)]), (torch.arange(T) + 2).view(1, T), torch.arange(T) + 2,
+            causal_mask(T, 2, S))
+    ref = capture(tm, args).module()(*[a.clone() for a in args])[0]
+    ep = matvec(capture(tm, args), max_rows=5)
+    linear, mul_sum = torch.ops.aten.linear.default, torch.ops.aten.sum.dim_IntList
+    n_linear = 4 * len(tm.blocks) + 1
+    if T <= 5:
+        assert op_count(ep, linear) == 0 and op_count(ep, mul_sum) >= n_linear
+    else:
+        assert op_count(ep, linear) == n_linear
+    out = ep.module()(*[a.clone() for a in args])[0]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    # The program still lowers through the graph's own rewrite and retrace path.
+    again = capture(ep.module(), args)
+    torch.testing.assert_close(again.module()(*[a.clone() for a in args])[0], ref, rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- Pipeline

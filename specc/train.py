@@ -1,0 +1,485 @@
+"""`specc train`: self-distillation of a drafter (DFlash or MTP) from its own target.
+
+    ShareGPT prompts (never MT-Bench or HumanEval) -> sequences: the target's own greedy responses
+    ("regenerate") or the dataset's responses ("data") -> for each training step one sequence: the
+    target's taps / hidden states and its argmax labels (no gradient) -> the drafter's loss ->
+    AdamW, cosine schedule -> checkpoints (resumable) and a held-out tau.
+
+Labels are always the target's own argmax at each position given the true prefix, so with
+regenerated sequences (the default) a label is exactly what greedy verification will accept,
+and the held-out tau is the exact greedy acceptance length of a chain over those sequences.
+
+Output directory: the drafter in its published format at the top (DFlash: config.json +
+model.safetensors; MTP: the DeepSeek-V3 layout), and `train/` with the sequences
+(data.safetensors), the optimizer state (state.safetensors), progress.json (config, step, loss and
+tau history) and curve.png. Running the same command again resumes from the last checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .errors import SpeccError
+
+DRAFTERS = ("dflash", "mtp")
+
+
+@dataclass
+class TrainConfig:
+    drafter: str = "dflash"
+    layers: int = 1  # DFlash decoder layers; MTP modules
+    block_size: int = 16  # DFlash block (B - 1 drafts); MTP: depth
+    taps: int = 3  # DFlash target layers
+    labels: str = "regenerate"  # "regenerate" | "data"
+    prompts: int = 1000  # training sequences
+    eval_prompts: int = 24  # held-out sequences (ShareGPT too, disjoint from training)
+    max_prompt_len: int = 256
+    response_len: int = 192
+    gen_batch: int = 16
+    steps: int = 2000
+    anchors: int = 64  # DFlash blocks per sequence per step
+    lr: float = 6e-4
+    warmup: float = 0.04
+    clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 200
+    checkpoint_every: int = 100
+
+    def check(self) -> None:
+        if self.drafter not in DRAFTERS:
+            raise SpeccError(f"`specc train` trains {' and '.join(DRAFTERS)} drafters, not {self.drafter!r}.")
+        if self.labels not in ("regenerate", "data"):
+            raise SpeccError(f"--labels {self.labels!r} is unknown; use regenerate or data.")
+        for name in ("layers", "prompts", "eval_prompts", "steps", "anchors", "response_len", "gen_batch",
+                     "eval_every", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise SpeccError(f"--{name.replace('_', '-')} must be at least 1.")
+        if self.block_size < 2:
+            raise SpeccError("--block-size must be at least 2 (one draft token).")
+
+
+SMOKE = dict(layers=1, block_size=4, taps=2, prompts=8, eval_prompts=2, max_prompt_len=48, response_len=24,
+             gen_batch=4, steps=40, anchors=16, lr=3e-3, eval_every=20, checkpoint_every=20)
+
+
+# ------------------------------------------------------------------------------------ data
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.split()).lower()
+
+
+def sharegpt_pairs(n: int, exclude: set[str]):
+    """(first human turn, first model reply) of ShareGPT conversations, skipping empty ones and any
+    prompt that appears in an evaluation set."""
+    from .data import sharegpt_conversations
+
+    out = []
+    for conv in sharegpt_conversations():
+        turns = conv.get("conversations") or []
+        if len(turns) < 2 or turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
+            continue
+        prompt, reply = (turns[0].get("value") or "").strip(), (turns[1].get("value") or "").strip()
+        if not prompt or not reply or _norm(prompt) in exclude:
+            continue
+        out.append((prompt, reply))
+        if len(out) == n:
+            break
+    return out
+
+
+def eval_set_prompts() -> set[str]:
+    from .data import humaneval_prompts, mt_bench_prompts
+
+    return {_norm(p) for p in mt_bench_prompts() + humaneval_prompts()}
+
+
+def _chat_ids(tokenizer, prompt: str) -> list[int]:
+    out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+@torch.no_grad()
+def build_sequences(model, tokenizer, pairs, cfg: TrainConfig, eos: set[int], progress: bool, desc: str):
+    """[(ids [N], prompt_len)]: chat-formatted prompt + response (regenerated greedily by the target
+    in left-padded batches, or the dataset's reply), cut at the first EOS (kept)."""
+    items = []
+    for prompt, reply in pairs:
+        ids = _chat_ids(tokenizer, prompt)
+        if len(ids) <= cfg.max_prompt_len:
+            items.append((ids, tokenizer(reply, add_special_tokens=False)["input_ids"][: cfg.response_len]))
+    seqs = []
+    if cfg.labels == "data":
+        return [(torch.tensor(p + r), len(p)) for p, r in items if r]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos or {0})
+    bar = tqdm(range(0, len(items), cfg.gen_batch), desc=desc, unit="batch", disable=not progress)
+    for b in bar:
+        batch = [p for p, _ in items[b: b + cfg.gen_batch]]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=cfg.response_len, do_sample=False,
+                             pad_token_id=pad, eos_token_id=sorted(eos) or None)
+        for p, row in zip(batch, out[:, width:].tolist()):
+            resp = []
+            for t in row:
+                resp.append(t)
+                if t in eos:
+                    break
+            if resp:
+                seqs.append((torch.tensor(p + resp), len(p)))
+    return seqs
+
+
+def save_sequences(seqs, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    ids = torch.cat([s for s, _ in seqs]) if seqs else torch.zeros(0, dtype=torch.long)
+    lens = torch.tensor([len(s) for s, _ in seqs], dtype=torch.long)
+    plen = torch.tensor([p for _, p in seqs], dtype=torch.long)
+    _atomic(path, lambda tmp: save_file({"ids": ids, "lengths": lens, "prompt_lengths": plen}, str(tmp)))
+
+
+def load_sequences(path: Path):
+    from safetensors.torch import load_file
+
+    t = load_file(str(path))
+    out, at = [], 0
+    for n, p in zip(t["lengths"].tolist(), t["prompt_lengths"].tolist()):
+        out.append((t["ids"][at: at + n], p))
+        at += n
+    return out
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------------- drafters
+
+
+@torch.no_grad()
+def target_view(model, ids, layer_ids):
+    """One target forward over a sequence: taps [N, L*H] (decoder-layer outputs), the post-norm
+    hidden [N, H] (lm_head's input) and labels [N] (labels[j] = the target's argmax for token j+1)."""
+    out = model(ids.view(1, -1), output_hidden_states=True)
+    hs = out.hidden_states
+    taps = torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1) if layer_ids else None
+    return taps, hs[-1][0], out.logits[0].argmax(-1)
+
+
+class DFlashTrainer:
+    def __init__(self, model, cfg: TrainConfig, mask_token_id: int):
+        from .dflash import DFlashDrafter, dflash_config_for, position_weights
+
+        self.model, self.cfg = model, cfg
+        self.drafter = DFlashDrafter(dflash_config_for(model.config, num_layers=cfg.layers, block_size=cfg.block_size,
+                                                       num_taps=cfg.taps, mask_token_id=mask_token_id))
+        self.embed = model.get_input_embeddings()
+        self.head = model.get_output_embeddings().weight
+        self.weights = position_weights(cfg.block_size)
+
+    def _logits(self, ids, prompt_len, anchors):
+        from .dflash import draft_logits
+
+        taps, _, labels = target_view(self.model, ids, self.drafter.config.target_layer_ids)
+        logits = draft_logits(self.drafter, self.embed, self.head, taps, ids, anchors)
+        B, N = self.cfg.block_size, len(ids)
+        pos = anchors.view(-1, 1) + torch.arange(1, B)  # the position each row predicts
+        valid = pos <= N  # labels[p - 1] exists for p <= N
+        return logits, labels[(pos - 1).clamp(max=N - 1)], valid
+
+    def loss(self, ids, prompt_len, gen):
+        N = len(ids)
+        lo = max(prompt_len - 1, 0)
+        cand = torch.arange(lo, N)
+        anchors = cand[torch.randperm(len(cand), generator=gen)[: self.cfg.anchors]].sort().values
+        logits, labels, valid = self._logits(ids, prompt_len, anchors)
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none")
+        w = self.weights.view(1, -1) * valid
+        return (ce.view_as(w) * w).sum() / w.sum().clamp(min=1e-6)
+
+    @torch.no_grad()
+    def accepted(self, ids, prompt_len):
+        """Per anchor with a full block inside the sequence: drafts matching the target, as a chain."""
+        B, N = self.cfg.block_size, len(ids)
+        anchors = torch.arange(max(prompt_len - 1, 0), N - B + 1)
+        if len(anchors) == 0:
+            return torch.zeros(0, B - 1, dtype=torch.bool)
+        anchors = anchors[torch.linspace(0, len(anchors) - 1, min(64, len(anchors))).long()]
+        logits, labels, _ = self._logits(ids, prompt_len, anchors)
+        return logits.argmax(-1) == labels
+
+    def save(self, path: Path) -> None:
+        from .dflash import save_dflash
+
+        save_dflash(self.drafter, path)
+
+    def parameters(self):
+        return self.drafter.parameters()
+
+    def named_parameters(self):
+        return self.drafter.named_parameters()
+
+
+class MTPTrainer:
+    def __init__(self, model, cfg: TrainConfig, mask_token_id: int):
+        from .mtp import build_heads, target_parts
+
+        self.model, self.cfg = model, cfg
+        self.depth = cfg.block_size - 1
+        self.heads = build_heads(model, num_modules=cfg.layers, depth=self.depth)
+        self.parts = target_parts(model)
+
+    def _logits(self, ids):
+        _, hidden, labels = target_view(self.model, ids, ())
+        return self.heads.forward_train(hidden[None], ids[None], **self.parts), labels
+
+    def loss(self, ids, prompt_len, gen):
+        from .mtp import mtp_loss
+
+        logits, labels = self._logits(ids)
+        return mtp_loss(logits, target_ids=labels[None])[0]
+
+    @torch.no_grad()
+    def accepted(self, ids, prompt_len):
+        logits, labels = self._logits(ids)
+        N, D = len(ids), self.depth
+        rows = torch.arange(max(prompt_len - 1, 0), N - D)  # rows whose every depth has a label
+        if len(rows) == 0:
+            return torch.zeros(0, D, dtype=torch.bool)
+        return torch.stack([logits[d - 1][0, rows].argmax(-1) == labels[rows + d] for d in range(1, D + 1)], dim=1)
+
+    def save(self, path: Path) -> None:
+        from .mtp import save_deepseek_v3
+
+        save_deepseek_v3(self.heads, path, self.model)
+
+    def parameters(self):
+        return self.heads.parameters()
+
+    def named_parameters(self):
+        return self.heads.named_parameters()
+
+
+def tau_of(accepted: torch.Tensor, k: int | None = None) -> float:
+    """Greedy chain acceptance length (bonus token included) from per-position matches [n, D]."""
+    if accepted.shape[0] == 0:
+        return float("nan")
+    a = accepted[:, :k] if k else accepted
+    return 1.0 + float(a.long().cumprod(dim=1).sum(dim=1).float().mean())
+
+
+# ------------------------------------------------------------------------------- the loop
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    warm = max(1, int(cfg.warmup * cfg.steps))
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    t = (step - warm) / max(1, cfg.steps - warm)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+def _save_state(opt, trainer, path: Path, step: int) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {"step": torch.tensor(step)}
+    for i, (name, p) in enumerate(trainer.named_parameters()):
+        st = opt.state.get(p)
+        if st:
+            tensors[f"{name}.exp_avg"] = st["exp_avg"].contiguous()
+            tensors[f"{name}.exp_avg_sq"] = st["exp_avg_sq"].contiguous()
+            tensors[f"{name}.step"] = torch.as_tensor(st["step"]).reshape(())
+    _atomic(path, lambda tmp: save_file(tensors, str(tmp)))
+
+
+def _load_state(opt, trainer, path: Path) -> int:
+    from safetensors.torch import load_file
+
+    t = load_file(str(path))
+    for name, p in trainer.named_parameters():
+        if f"{name}.exp_avg" in t:
+            opt.state[p] = {"exp_avg": t[f"{name}.exp_avg"].clone(), "exp_avg_sq": t[f"{name}.exp_avg_sq"].clone(),
+                            "step": t[f"{name}.step"].clone().float()}
+    return int(t["step"])
+
+
+def _load_weights(trainer, path: Path) -> None:
+    if trainer.cfg.drafter == "dflash":
+        from .dflash import load_dflash
+
+        trainer.drafter.load_state_dict(load_dflash(path).state_dict())
+    else:
+        from .mtp import load_deepseek_v3
+
+        trainer.heads.load_state_dict(load_deepseek_v3(path, trainer.model).state_dict())
+
+
+def evaluate(trainer, seqs) -> dict:
+    acc = torch.cat([trainer.accepted(ids, p) for ids, p in seqs])
+    D = acc.shape[1]
+    out = {"tau": round(tau_of(acc), 4), "anchors": int(acc.shape[0]),
+           "per_position": [round(float(x), 4) for x in acc.float().mean(0)]}
+    for k in (1, 2, 4, 8, 16):
+        if k < D:
+            out[f"tau_chain{k}"] = round(tau_of(acc, k), 4)
+    return out
+
+
+def plot_curve(history: list[dict], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 3.5))
+    FigureCanvasAgg(fig)
+    ax1, ax2 = fig.subplots(1, 2)
+    losses = [(h["step"], h["loss"]) for h in history if "loss" in h]
+    taus = [(h["step"], h["eval"]["tau"]) for h in history if "eval" in h]
+    if losses:
+        ax1.plot(*zip(*losses), color="#4477aa")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("training loss")
+    if taus:
+        ax2.plot(*zip(*taus), marker="o", color="#228833")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("held-out tau (greedy, full block)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def smoke_target(out: Path, tokenizer):
+    """A tiny random Llama over the real tokenizer's vocabulary, saved for compiling an engine."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                      tie_word_embeddings=False)
+    cfg.architectures = ["LlamaForCausalLM"]
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return model
+
+
+def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke: bool = False,
+          progress: bool = True, log=print) -> dict:
+    """Train a drafter for MODEL (HF dir, .gguf, or None: the embedded SmolLM2) into output_dir.
+    `smoke`: the target is a tiny random Llama over MODEL's tokenizer (saved in train/smoke-target),
+    and the default config is SMOKE."""
+    from .dflash import choose_mask_token
+    from .models import load_model
+
+    cfg = config or (TrainConfig(**SMOKE) if smoke else TrainConfig())
+    cfg.check()
+    if output_dir is None:
+        raise SpeccError("an output directory is required (-o DIR).")
+    out = Path(output_dir)
+    work = out / "train"
+    progress_file = work / "progress.json"
+    if out.exists() and any(out.iterdir()) and not progress_file.is_file():
+        raise SpeccError(f"output {str(out)!r} exists and is not a specc training directory; refusing to overwrite it.")
+    resumed = None
+    if progress_file.is_file():
+        resumed = json.loads(progress_file.read_text())
+        if resumed["config"] != asdict(cfg):
+            changed = next(k for k in asdict(cfg) if resumed["config"].get(k) != asdict(cfg)[k])
+            raise SpeccError(f"{str(out)!r} holds a run with another configuration ({changed} was "
+                             f"{resumed['config'].get(changed)!r}); use a new -o directory to start over.")
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(os.cpu_count() or 1)
+
+    loaded = load_model(model, torch.float32)
+    tokenizer = loaded.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise SpeccError("training needs the target's tokenizer with a chat template.")
+    work.mkdir(parents=True, exist_ok=True)
+    target = smoke_target(work / "smoke-target", tokenizer) if smoke else loaded.model
+    target.requires_grad_(False).eval()
+    eos = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    gen_cfg = getattr(loaded.model, "generation_config", None)
+    if gen_cfg is not None and gen_cfg.eos_token_id is not None:
+        e = gen_cfg.eos_token_id
+        eos |= set(e) if isinstance(e, (list, tuple)) else {int(e)}
+
+    # 1. Sequences (cached in the run directory: regenerating is the slow part).
+    data_file = work / "data.safetensors"
+    eval_file = work / "eval.safetensors"
+    if data_file.is_file() and eval_file.is_file():
+        seqs, held = load_sequences(data_file), load_sequences(eval_file)
+    else:
+        pairs = sharegpt_pairs(cfg.prompts + cfg.eval_prompts, eval_set_prompts())
+        held = build_sequences(target, tokenizer, pairs[: cfg.eval_prompts], cfg, eos, progress, "held-out sequences")
+        seqs = build_sequences(target, tokenizer, pairs[cfg.eval_prompts:], cfg, eos, progress, "training sequences")
+        if not seqs or not held:
+            raise SpeccError("no usable training sequences (prompts too long for --max-prompt-len?).")
+        save_sequences(held, eval_file)
+        save_sequences(seqs, data_file)
+
+    # 2. Drafter and optimizer, from the last checkpoint when resuming.
+    mask = choose_mask_token(tokenizer, target.config.vocab_size)
+    trainer = (DFlashTrainer if cfg.drafter == "dflash" else MTPTrainer)(target, cfg, mask)
+    opt = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, weight_decay=0.0)
+    history, step = [], 0
+    if resumed is not None and (work / "state.safetensors").is_file():
+        _load_weights(trainer, out)
+        step = _load_state(opt, trainer, work / "state.safetensors")
+        history = resumed["history"]
+        log(f"resuming at step {step} of {cfg.steps}")
+
+    def checkpoint(step: int) -> None:
+        trainer.save(out)
+        _save_state(opt, trainer, work / "state.safetensors", step)
+        _atomic(progress_file, lambda tmp: tmp.write_text(json.dumps(
+            {"config": asdict(cfg), "step": step, "sequences": len(seqs), "held_out": len(held),
+             "mask_token_id": mask, "history": history}, indent=1)))
+        plot_curve(history, work / "curve.png")
+
+    if step == 0:
+        history.append({"step": 0, "eval": evaluate(trainer, held)})
+        checkpoint(0)
+    bar = tqdm(range(step, cfg.steps), desc=f"train {cfg.drafter}", unit="step", disable=not progress,
+               initial=step, total=cfg.steps)
+    t0, running = time.perf_counter(), None
+    for step in bar:
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # a resumed run draws the same data
+        ids, plen = seqs[int(torch.randint(len(seqs), (1,), generator=gen))]
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        loss = trainer.loss(ids, plen, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(trainer.parameters()), cfg.clip)
+        opt.step()
+        running = float(loss) if running is None else 0.95 * running + 0.05 * float(loss)
+        done = step + 1
+        entry = {"step": done, "loss": round(float(loss), 4)}
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            entry["eval"] = evaluate(trainer, held)
+            bar.set_postfix(loss=f"{running:.3f}", tau=entry["eval"]["tau"])
+        else:
+            bar.set_postfix(loss=f"{running:.3f}")
+        history.append(entry)
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+            checkpoint(done)
+    bar.close()
+    final = next((h["eval"] for h in reversed(history) if "eval" in h), None)
+    return {"output": str(out), "drafter": cfg.drafter, "steps": cfg.steps, "sequences": len(seqs),
+            "held_out": len(held), "train_s": round(time.perf_counter() - t0, 1), "eval": final,
+            "smoke_target": str(work / "smoke-target") if smoke else None}

@@ -1,0 +1,113 @@
+"""`specc train`: the smoke run CI relies on (a tiny random target over SmolLM2's tokenizer), its
+resumption, the held-out tau, and an engine compiled with the trained drafter that stays lossless."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import run_specc
+from specc.train import TrainConfig, sharegpt_pairs, tau_of
+
+
+def test_tau_of_counts_leading_matches():
+    acc = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    assert tau_of(acc) == pytest.approx(1 + (2 + 0 + 4) / 3)
+    assert tau_of(acc, 1) == pytest.approx(1 + 2 / 3)
+
+
+def test_training_prompts_never_come_from_evaluation_sets():
+    from specc.data import mt_bench_prompts
+    from specc.train import _norm
+
+    held = mt_bench_prompts()[0]
+    pairs = sharegpt_pairs(50, {_norm(held)})
+    assert len(pairs) == 50 and all(p and r for p, r in pairs)
+    pairs_all = sharegpt_pairs(50, set())
+    assert [p for p, _ in pairs] == [p for p, _ in pairs_all]  # the first 50 ShareGPT prompts are not MT-Bench's
+    assert sharegpt_pairs(3, {_norm(pairs_all[0][0])})[0][0] == pairs_all[1][0]  # an excluded one is skipped
+
+
+def test_config_checks():
+    from specc.errors import SpeccError
+
+    with pytest.raises(SpeccError, match="block-size"):
+        TrainConfig(block_size=1).check()
+    with pytest.raises(SpeccError, match="--steps"):
+        TrainConfig(steps=0).check()
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train") / "dflash"
+    proc = run_specc("train", "--drafter", "dflash", "--smoke", "--json", "-o", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    return out, json.loads(proc.stdout)
+
+
+@pytest.mark.slow
+def test_smoke_trains_a_loadable_drafter(smoke_run):
+    from specc.dflash import load_dflash
+
+    out, res = smoke_run
+    assert res["steps"] == 40 and res["sequences"] > 0 and res["eval"]["tau"] >= 1.0
+    prog = json.loads((out / "train" / "progress.json").read_text())
+    assert prog["step"] == 40 and prog["config"]["drafter"] == "dflash"
+    losses = [h["loss"] for h in prog["history"] if "loss" in h]
+    assert len(losses) == 40 and sum(losses[-10:]) < sum(losses[:10])  # it learns
+    d = load_dflash(out)
+    assert d.config.block_size == 4 and d.config.num_target_layers == 4
+    assert (out / "train" / "curve.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_rerun_resumes_and_refuses_another_config(smoke_run):
+    out, _ = smoke_run
+    before = (out / "model.safetensors").read_bytes()
+    again = run_specc("train", "--drafter", "dflash", "--smoke", "--json", "-o", str(out), timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout)["train_s"] < 5  # nothing left to do
+    assert (out / "model.safetensors").read_bytes() == before
+    other = run_specc("train", "--drafter", "dflash", "--smoke", "--steps", "60", "-o", str(out), timeout=600)
+    assert other.returncode == 2 and "another configuration" in other.stderr and "Traceback" not in other.stderr
+
+
+@pytest.mark.slow
+def test_engine_with_trained_drafter_is_lossless(smoke_run, tmp_path):
+    import specc
+    from transformers import AutoModelForCausalLM
+
+    out, res = smoke_run
+    target_dir = res["smoke_target"]
+    engine = specc.load(specc.compile(target_dir, drafter="dflash", drafter_path=out, tree="chain:3",
+                                      output_dir=tmp_path / "e", max_len=128, prefill_chunk=16, progress=False))
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    for prompt in ("Write a short poem about the sea.", "def add(a, b):"):
+        res = engine.generate(prompt, max_new_tokens=24, chat=True, stop_at_eos=False)
+        seq = engine.encode(prompt, chat=True)
+        n = len(seq)
+        with torch.no_grad():
+            for _ in range(24):  # the target alone, greedy, EOS not stopping it
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+        assert res.token_ids == seq[n:]
+
+
+@pytest.mark.slow
+def test_mtp_smoke(tmp_path):
+    from specc.mtp import load_deepseek_v3
+    from specc.train import train
+    from transformers import AutoModelForCausalLM
+
+    res = train(None, tmp_path / "mtp", TrainConfig(drafter="mtp", **{**_smoke(), "steps": 10}), smoke=True,
+                progress=False, log=lambda m: None)
+    assert res["eval"]["tau"] >= 1.0
+    target = AutoModelForCausalLM.from_pretrained(res["smoke_target"])
+    heads = load_deepseek_v3(tmp_path / "mtp", target)
+    assert heads.config.num_modules == 1
+
+
+def _smoke():
+    from specc.train import SMOKE
+
+    return dict(SMOKE)
