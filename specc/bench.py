@@ -126,10 +126,16 @@ def _fmt(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
 
+def drafter_label(report: dict) -> str:
+    d = report["drafter"]
+    block = f" B={d['block_size']}" if "block_size" in d else ""
+    return f"{d['kind']}{block} {report['tree']}"
+
+
 def markdown_table(report: dict) -> str:
     lines = ["| method | tau | tokens/s (median) | vs plain (same backend) | vs HF generate() |",
              "|---|---|---|---|---|"]
-    names = {"speculative": f"{report['drafter']['kind']} {report['tree']}", "ar": "plain decoding",
+    names = {"speculative": drafter_label(report), "ar": "plain decoding",
              "hf": "HF generate()"}
     for r in report["rows"]:
         lines.append(f"| {names[r['method']]} | {_fmt(r['tau'])} | {_fmt(r['tokens_per_s'])} | "

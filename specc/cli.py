@@ -36,6 +36,7 @@ def cmd_compile(a) -> int:
 
     out = specc.compile(a.model, drafter=a.drafter, tree=a.tree, backend=a.backend, output_dir=a.output,
                         drafter_path=a.drafter_path, drafter_layers=a.drafter_layers, dtype=a.dtype,
+                        block_size=a.block_size,
                         max_len=a.max_len, prefill_chunk=a.prefill_chunk, dump_ir=a.dump_ir,
                         progress=not a.json)
     manifest = json.loads((out / "specc.json").read_text())
@@ -163,8 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compile", help="compile a model and drafter into an engine directory")
     c.add_argument("model", nargs="?", default=None,
                    help="Hugging Face model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    c.add_argument("--drafter", default="none", help="none | ngram | draft-model (mtp, dflash, dspark: later)")
-    c.add_argument("--drafter-path", default=None, help="draft model directory or .gguf (draft-model)")
+    c.add_argument("--drafter", default="none", help="none | ngram | draft-model | dflash (mtp, dspark: later)")
+    c.add_argument("--drafter-path", default=None,
+                   help="draft model directory or .gguf (draft-model); DFlash drafter directory (dflash)")
+    c.add_argument("--block-size", type=int, default=None,
+                   help="dflash: run on blocks of this size (at most the trained one; default: the trained one)")
     c.add_argument("--drafter-layers", type=int, default=None,
                    help="draft-model: use the first N layers (of the target when no --drafter-path)")
     c.add_argument("--tree", default=None, help="chain:K | topk:DEPTH,WIDTH | sequoia:BUDGET | auto | FILE.json")

@@ -33,6 +33,7 @@ from specc.passes.tree_inputs import tree_inputs
 from specc.passes.verify import verify
 
 FORMAT_VERSION = 1
+SHIPPED_DFLASH = Path(__file__).parent / "assets" / "smollm2-135m-dflash"  # the drafter for the default model
 MANIFEST = "specc.json"
 DEFAULT_TREE = {"none": "chain:0", "ngram": "chain:4", "draft-model": "chain:4", "dflash": "chain:4"}
 
@@ -108,7 +109,8 @@ def _eos_ids(model) -> list[int]:
 
 def compile(model=None, drafter: str = "none", tree: str | None = None, backend: str = "eager",
             output_dir=None, drafter_path=None, drafter_layers: int | None = None, dtype: str = "float32",
-            max_len: int = 1024, prefill_chunk: int = 32, dump_ir=None, progress: bool = True) -> Path:
+            max_len: int = 1024, prefill_chunk: int = 32, dump_ir=None, progress: bool = True,
+            block_size: int | None = None) -> Path:
     """Compile MODEL (HF dir, .gguf, or None for the embedded default) into an engine directory."""
     # 1. Check every argument before any slow work.
     if output_dir is None:
@@ -137,13 +139,22 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
         raise SpeccError(f"the {drafter} drafter proposes a chain in this version; use --tree chain:K.")
     dflash = None
     if drafter == "dflash":
+        if drafter_path is None and model is None and SHIPPED_DFLASH.is_dir():
+            drafter_path = SHIPPED_DFLASH  # trained for the embedded SmolLM2 by `specc train`
         if drafter_path is None:
             raise SpeccError("--drafter dflash needs --drafter-path DIR, a DFlash drafter directory "
                              "(config.json + safetensors), e.g. one written by `specc train`.")
         dflash = load_dflash(drafter_path, torch_dtype)
-        if tr.size > dflash.config.block_size:
+        trained = dflash.config.block_size
+        block_size = trained if block_size is None else block_size
+        if not 2 <= block_size <= trained:
+            raise SpeccError(f"--block-size {block_size} is out of range: this DFlash drafter was trained on blocks "
+                             f"of {trained} and runs on blocks of 2 to {trained}.")
+        if tr.size > block_size:
             raise SpeccError(f"--tree {tree_spec} needs {tr.size - 1} drafts, but the DFlash drafter's block of "
-                             f"{dflash.config.block_size} gives {dflash.config.block_size - 1}.")
+                             f"{block_size} gives {block_size - 1}.")
+    elif block_size is not None:
+        raise SpeccError("--block-size only applies to --drafter dflash.")
 
     # 2. Load the models.
     target = load_model(model, torch_dtype)
@@ -165,9 +176,9 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
         draft_entry.update(info)
         draft_hf = hf if info["source"] == "model" else None
     elif drafter == "dflash":
-        draft_module = DFlashStep(dflash, target_module.embed_tokens, target_module.w_head, cache_len)
+        draft_module = DFlashStep(dflash, target_module.embed_tokens, target_module.w_head, cache_len, block_size)
         c = dflash.config
-        draft_entry.update({"block_size": c.block_size, "num_layers": c.num_layers,
+        draft_entry.update({"block_size": block_size, "trained_block_size": c.block_size, "num_layers": c.num_layers,
                             "target_layer_ids": c.target_layer_ids, "mask_token_id": c.mask_token_id})
     elif drafter == "ngram":
         # min_ngram 3 measured best of 1..3 on MT-Bench and HumanEval (BENCHMARKS.md).
@@ -298,7 +309,8 @@ def load(path, check_hashes: bool = True) -> Engine:
                                         share=modules["target"] if dr["source"] == "target" else None)
     if dr["kind"] == "dflash":
         dflash = load_dflash(path / "draft", dtype)
-        modules["dflash"] = DFlashStep(dflash, modules["target"].embed_tokens, modules["target"].w_head, cache_len)
+        modules["dflash"] = DFlashStep(dflash, modules["target"].embed_tokens, modules["target"].w_head, cache_len,
+                                       dr["block_size"])
     states = {k: m.state() for k, m in modules.items()}
     graphs = {}
     plans = {p.name: p for p in graph_plans(tr, dr["kind"], chunk, cache_len, backend)}

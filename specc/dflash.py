@@ -366,9 +366,14 @@ class DFlashStep(nn.Module):
     which no block sees before a later call overwrites them."""
 
     def __init__(self, drafter: DFlashDrafter, embed_tokens: nn.Module, lm_head_weight: torch.Tensor,
-                 cache_len: int):
+                 cache_len: int, block_size: int | None = None):
         super().__init__()
         cfg = drafter.config
+        # A drafter trained on blocks of B also runs on shorter ones (not the reverse).
+        self.block_size = cfg.block_size if block_size is None else block_size
+        if not 2 <= self.block_size <= cfg.block_size:
+            raise SpeccError(f"a DFlash drafter trained on blocks of {cfg.block_size} runs on blocks of 2 to "
+                             f"{cfg.block_size}, not {self.block_size}.")
         self.drafter = drafter
         self.embed_tokens = embed_tokens
         # The target's own tensor, registered (not a plain attribute, which export would bake in as a constant).
@@ -383,7 +388,7 @@ class DFlashStep(nn.Module):
 
     def forward(self, taps, ctx_start, n_ctx, anchor):
         cfg = self.drafter.config
-        R, B, S = taps.shape[0], cfg.block_size, self.cache_len
+        R, B, S = taps.shape[0], self.block_size, self.cache_len
         ctx_pos = torch.arange(R) + ctx_start
         start = ctx_start + n_ctx
         positions = torch.arange(B) + start

@@ -66,6 +66,7 @@ class TrainConfig:
             raise SpeccError("--block-size must be at least 2 (one draft token).")
 
 
+DATA_FIELDS = ("labels", "prompts", "eval_prompts", "max_prompt_len", "response_len", "seed")  # what the sequences depend on
 SMOKE = dict(layers=1, block_size=4, taps=2, prompts=8, eval_prompts=2, max_prompt_len=48, response_len=24,
              gen_batch=4, steps=40, anchors=16, lr=3e-3, eval_every=20, checkpoint_every=20)
 
@@ -183,7 +184,14 @@ def target_view(model, ids, layer_ids):
 
 
 class DFlashTrainer:
-    def __init__(self, model, cfg: TrainConfig, mask_token_id: int):
+    """Trains fc on scaled inputs: LLM hidden states carry a few "massive" dimensions (SmolLM2's
+    layers 14 and 27 reach |x| ~ 25000 where a row's RMS is ~10), so one Adam step on fc's columns
+    for those dimensions swings its output wildly, and at initialisation they swamp the context
+    feature after hidden_norm. Training therefore sees every tapped dimension divided by its RMS over
+    a few training sequences (a fixed vector), and the saved fc.weight has that scale folded back in:
+    the checkpoint is the published format and computes exactly the trained function."""
+
+    def __init__(self, model, cfg: TrainConfig, mask_token_id: int, seqs=()):
         from .dflash import DFlashDrafter, dflash_config_for, position_weights
 
         self.model, self.cfg = model, cfg
@@ -192,12 +200,17 @@ class DFlashTrainer:
         self.embed = model.get_input_embeddings()
         self.head = model.get_output_embeddings().weight
         self.weights = position_weights(cfg.block_size)
+        self.scale = torch.ones(self.drafter.fc.in_features)
+        if seqs:
+            ids = self.drafter.config.target_layer_ids
+            sq = torch.cat([target_view(model, s, ids)[0] for s, _ in seqs[:8]]).pow(2).mean(0)
+            self.scale = 1.0 / sq.sqrt().clamp(min=1e-3)
 
     def _logits(self, ids, prompt_len, anchors):
         from .dflash import draft_logits
 
         taps, _, labels = target_view(self.model, ids, self.drafter.config.target_layer_ids)
-        logits = draft_logits(self.drafter, self.embed, self.head, taps, ids, anchors)
+        logits = draft_logits(self.drafter, self.embed, self.head, taps * self.scale, ids, anchors)
         B, N = self.cfg.block_size, len(ids)
         pos = anchors.view(-1, 1) + torch.arange(1, B)  # the position each row predicts
         valid = pos <= N  # labels[p - 1] exists for p <= N
@@ -217,17 +230,30 @@ class DFlashTrainer:
     def accepted(self, ids, prompt_len):
         """Per anchor with a full block inside the sequence: drafts matching the target, as a chain."""
         B, N = self.cfg.block_size, len(ids)
-        anchors = torch.arange(max(prompt_len - 1, 0), N - B + 1)
-        if len(anchors) == 0:
+        lo, hi = max(prompt_len - 1, 0), N - B + 1
+        if hi <= lo:
             return torch.zeros(0, B - 1, dtype=torch.bool)
+        anchors = torch.arange(lo, hi)
         anchors = anchors[torch.linspace(0, len(anchors) - 1, min(64, len(anchors))).long()]
         logits, labels, _ = self._logits(ids, prompt_len, anchors)
         return logits.argmax(-1) == labels
 
     def save(self, path: Path) -> None:
+        import copy
+
         from .dflash import save_dflash
 
-        save_dflash(self.drafter, path)
+        folded = copy.deepcopy(self.drafter)
+        with torch.no_grad():
+            folded.fc.weight.mul_(self.scale)
+        save_dflash(folded, path)
+
+    def load(self, path: Path) -> None:
+        from .dflash import load_dflash
+
+        self.drafter.load_state_dict(load_dflash(path).state_dict())
+        with torch.no_grad():
+            self.drafter.fc.weight.div_(self.scale)
 
     def parameters(self):
         return self.drafter.parameters()
@@ -237,7 +263,7 @@ class DFlashTrainer:
 
 
 class MTPTrainer:
-    def __init__(self, model, cfg: TrainConfig, mask_token_id: int):
+    def __init__(self, model, cfg: TrainConfig, mask_token_id: int, seqs=()):
         from .mtp import build_heads, target_parts
 
         self.model, self.cfg = model, cfg
@@ -259,15 +285,21 @@ class MTPTrainer:
     def accepted(self, ids, prompt_len):
         logits, labels = self._logits(ids)
         N, D = len(ids), self.depth
-        rows = torch.arange(max(prompt_len - 1, 0), N - D)  # rows whose every depth has a label
-        if len(rows) == 0:
+        lo, hi = max(prompt_len - 1, 0), N - D  # rows whose every depth has a label
+        if hi <= lo:
             return torch.zeros(0, D, dtype=torch.bool)
+        rows = torch.arange(lo, hi)
         return torch.stack([logits[d - 1][0, rows].argmax(-1) == labels[rows + d] for d in range(1, D + 1)], dim=1)
 
     def save(self, path: Path) -> None:
         from .mtp import save_deepseek_v3
 
         save_deepseek_v3(self.heads, path, self.model)
+
+    def load(self, path: Path) -> None:
+        from .mtp import load_deepseek_v3
+
+        self.heads.load_state_dict(load_deepseek_v3(path, self.model).state_dict())
 
     def parameters(self):
         return self.heads.parameters()
@@ -317,17 +349,6 @@ def _load_state(opt, trainer, path: Path) -> int:
             opt.state[p] = {"exp_avg": t[f"{name}.exp_avg"].clone(), "exp_avg_sq": t[f"{name}.exp_avg_sq"].clone(),
                             "step": t[f"{name}.step"].clone().float()}
     return int(t["step"])
-
-
-def _load_weights(trainer, path: Path) -> None:
-    if trainer.cfg.drafter == "dflash":
-        from .dflash import load_dflash
-
-        trainer.drafter.load_state_dict(load_dflash(path).state_dict())
-    else:
-        from .mtp import load_deepseek_v3
-
-        trainer.heads.load_state_dict(load_deepseek_v3(path, trainer.model).state_dict())
 
 
 def evaluate(trainer, seqs) -> dict:
@@ -393,7 +414,8 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
     out = Path(output_dir)
     work = out / "train"
     progress_file = work / "progress.json"
-    if out.exists() and any(out.iterdir()) and not progress_file.is_file():
+    data_file, eval_file, data_meta = work / "data.safetensors", work / "eval.safetensors", work / "data.json"
+    if out.exists() and any(out.iterdir()) and not (progress_file.is_file() or data_meta.is_file()):
         raise SpeccError(f"output {str(out)!r} exists and is not a specc training directory; refusing to overwrite it.")
     resumed = None
     if progress_file.is_file():
@@ -419,9 +441,13 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
         eos |= set(e) if isinstance(e, (list, tuple)) else {int(e)}
 
     # 1. Sequences (cached in the run directory: regenerating is the slow part).
-    data_file = work / "data.safetensors"
-    eval_file = work / "eval.safetensors"
-    if data_file.is_file() and eval_file.is_file():
+    meta = {k: asdict(cfg)[k] for k in DATA_FIELDS}
+    if data_file.is_file() and eval_file.is_file() and data_meta.is_file():
+        old = json.loads(data_meta.read_text())
+        if old != meta:
+            changed = next(k for k in meta if old.get(k) != meta[k])
+            raise SpeccError(f"{str(out)!r} holds sequences made with another {changed} ({old.get(changed)!r}); "
+                             f"use a new -o directory.")
         seqs, held = load_sequences(data_file), load_sequences(eval_file)
     else:
         pairs = sharegpt_pairs(cfg.prompts + cfg.eval_prompts, eval_set_prompts())
@@ -431,14 +457,15 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
             raise SpeccError("no usable training sequences (prompts too long for --max-prompt-len?).")
         save_sequences(held, eval_file)
         save_sequences(seqs, data_file)
+        data_meta.write_text(json.dumps(meta))
 
     # 2. Drafter and optimizer, from the last checkpoint when resuming.
     mask = choose_mask_token(tokenizer, target.config.vocab_size)
-    trainer = (DFlashTrainer if cfg.drafter == "dflash" else MTPTrainer)(target, cfg, mask)
+    trainer = (DFlashTrainer if cfg.drafter == "dflash" else MTPTrainer)(target, cfg, mask, seqs)
     opt = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, weight_decay=0.0)
     history, step = [], 0
     if resumed is not None and (work / "state.safetensors").is_file():
-        _load_weights(trainer, out)
+        trainer.load(out)
         step = _load_state(opt, trainer, work / "state.safetensors")
         history = resumed["history"]
         log(f"resuming at step {step} of {cfg.steps}")

@@ -196,3 +196,20 @@ def test_training_forward_learns(target):
         opt.step()
     assert float(loss_fn()) < 0.7 * first
     assert all(p.grad is None for p in target.parameters())
+
+
+@torch.no_grad()
+def test_step_module_runs_shorter_blocks(target):
+    """A drafter trained on blocks of 5 run on blocks of 3 equals the same weights configured for 3."""
+    d = random_drafter(target, layers=1, block=5, seed=9)
+    short = DFlashDrafter(DFlashConfig(**{**d.config.__dict__, "block_size": 3}))
+    short.load_state_dict(d.state_dict())
+    tokens = torch.randint(0, 64, (20,), generator=torch.Generator().manual_seed(2))
+    taps = taps_of(target, tokens.tolist(), d.config.target_layer_ids)
+    emb, head = target.model.embed_tokens, target.lm_head.weight
+    step = DFlashStep(d, emb, head, cache_len=32, block_size=3)
+    drafts = step(taps[:12], torch.tensor(0), torch.tensor(12), tokens[12])
+    ref = draft_logits(short, emb, head, taps, tokens, torch.tensor([12]))[0].argmax(-1)
+    assert drafts.tolist() == ref.tolist() and len(drafts) == 2
+    with pytest.raises(SpeccError, match="blocks of 2 to 5"):
+        DFlashStep(d, emb, head, cache_len=32, block_size=6)

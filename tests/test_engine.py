@@ -191,9 +191,14 @@ def test_dflash_refusals(llama_dir, tmp_path):
     with pytest.raises(SpeccError, match="block of 4 gives 3"):
         specc.compile(root / "llama", drafter="dflash", drafter_path=dpath, tree="chain:5",
                       output_dir=tmp_path / "e2", progress=False)
+    with pytest.raises(SpeccError, match="--block-size 5 is out of range"):
+        specc.compile(root / "llama", drafter="dflash", drafter_path=dpath, block_size=5, tree="chain:3",
+                      output_dir=tmp_path / "e4", progress=False)
+    with pytest.raises(SpeccError, match="--block-size only applies"):
+        specc.compile(root / "llama", drafter="ngram", block_size=3, output_dir=tmp_path / "e5", progress=False)
     other = tiny_model("llama", vocab=64, layers=4, seed=3)
     opath, _ = random_dflash(other, tmp_path / "other", block=4)
     with pytest.raises(SpeccError, match="4-layer model, but the target has 2 layers"):
         specc.compile(root / "llama", drafter="dflash", drafter_path=opath, tree="chain:3",
                       output_dir=tmp_path / "e3", progress=False)
-    assert not (tmp_path / "e1").exists() and not (tmp_path / "e2").exists() and not (tmp_path / "e3").exists()
+    assert not any((tmp_path / f"e{i}").exists() for i in range(1, 6))

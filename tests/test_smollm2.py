@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import specc
+from specc.compiler import SHIPPED_DFLASH
 from specc.models import load_model
 
 pytestmark = pytest.mark.slow
@@ -52,3 +53,18 @@ def test_greedy_identical_to_hf(reference, tmp_path, backend, drafter, tree):
         steps += res.stats.steps
     if drafter != "none":  # the drafter did real work: fewer verify passes than tokens
         assert steps < sum(len(e) for _, e in reference) - len(reference)
+
+
+@pytest.mark.skipif(not SHIPPED_DFLASH.is_dir(), reason="no DFlash drafter shipped for SmolLM2")
+def test_dflash_greedy_identical_to_hf(reference, tmp_path):
+    """The shipped DFlash drafter (eager: the inductor path is covered on tiny models, and its
+    SmolLM2 compile would add minutes to the suite)."""
+    path = specc.compile(None, drafter="dflash", tree="chain:4", backend="eager", output_dir=tmp_path / "engine",
+                         max_len=512, progress=False)
+    engine = specc.load(path)
+    steps = 0
+    for ids, expected in reference:
+        res = engine.generate(ids, max_new_tokens=NEW)
+        assert res.token_ids == expected
+        steps += res.stats.steps
+    assert steps < sum(len(e) for _, e in reference) - len(reference)

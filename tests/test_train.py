@@ -111,3 +111,38 @@ def _smoke():
     from specc.train import SMOKE
 
     return dict(SMOKE)
+
+
+def test_accepted_on_sequences_too_short_for_a_block():
+    """A held-out response shorter than a block gives no anchors rather than an error."""
+    from tiny import tiny_model
+    from specc.train import DFlashTrainer, MTPTrainer
+
+    model = tiny_model("llama", vocab=64, layers=2, seed=0)
+    for cls in (DFlashTrainer, MTPTrainer):
+        tr = cls(model, TrainConfig(drafter="dflash" if cls is DFlashTrainer else "mtp", block_size=4, taps=2), 3)
+        assert tr.accepted(torch.arange(6), 5).shape == (0, 3)  # 1 response token, block of 4
+        assert tr.accepted(torch.arange(20), 5).shape[1] == 3
+
+
+def test_saved_drafter_folds_the_input_scale(tmp_path):
+    """Training sees taps divided by their RMS; the saved fc.weight folds that scale back in, so the
+    published-format checkpoint computes exactly what was trained, and loading it to resume unfolds it."""
+    from tiny import tiny_model
+    from specc.dflash import draft_logits, load_dflash
+    from specc.train import DFlashTrainer, target_view
+
+    model = tiny_model("llama", vocab=64, layers=4, seed=1)
+    seqs = [(torch.randint(0, 64, (30,), generator=torch.Generator().manual_seed(i)), 10) for i in range(3)]
+    tr = DFlashTrainer(model, TrainConfig(block_size=4, taps=2), 3, seqs)
+    assert not torch.allclose(tr.scale, torch.ones_like(tr.scale))
+    ids, anchors = seqs[0][0], torch.tensor([10, 15, 20])
+    trained = tr._logits(ids, 10, anchors)[0]
+    tr.save(tmp_path / "d")
+    loaded = load_dflash(tmp_path / "d")
+    taps = target_view(model, ids, loaded.config.target_layer_ids)[0]
+    plain = draft_logits(loaded, model.model.embed_tokens, model.lm_head.weight, taps, ids, anchors)
+    torch.testing.assert_close(plain, trained, rtol=1e-4, atol=1e-4)
+    again = DFlashTrainer(model, TrainConfig(block_size=4, taps=2), 3, seqs)
+    again.load(tmp_path / "d")
+    torch.testing.assert_close(again.drafter.fc.weight, tr.drafter.fc.weight)
