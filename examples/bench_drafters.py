@@ -5,7 +5,7 @@ MT-Bench prompts (greedy, a fixed number of new tokens, chat template on), each 
 decoding through the same engine and against HF generate(). Also prints the drafter's held-out
 tau from its training run, for comparison with the tau measured here.
 
-Usage: python examples/bench_drafters.py [--drafter-path DIR] [--configs 4:3,8:7,16:15]
+Usage: python examples/bench_drafters.py --drafter-path DIR [--configs 4:3,8:7,16:15]
            [--limit 5] [--max-new-tokens 256] [--out BENCHMARKS.md]
 """
 import argparse
@@ -20,12 +20,11 @@ import torch
 
 import specc
 from specc.bench import drafter_label, markdown_table, run_bench
-from specc.compiler import SHIPPED_DFLASH
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--drafter-path", default=str(SHIPPED_DFLASH))
+    ap.add_argument("--drafter-path", required=True, help="a DFlash drafter for SmolLM2 (from `specc train`)")
     ap.add_argument("--configs", default="4:3,8:7,16:15,16:4", help="BLOCK:CHAIN pairs")
     ap.add_argument("--limit", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=256)

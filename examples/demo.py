@@ -9,7 +9,6 @@ import sys
 import time
 
 import specc
-from specc.compiler import SHIPPED_DFLASH
 
 PROMPT = '''Add a docstring to this function and return the whole function.
 
@@ -31,8 +30,7 @@ def moving_average(values, window):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--backend", default="inductor")
-    shipped = SHIPPED_DFLASH.is_dir()  # the DFlash drafter trained for SmolLM2 by `specc train`
-    ap.add_argument("--drafter", default="dflash" if shipped else "ngram")
+    ap.add_argument("--drafter", default="ngram")
     ap.add_argument("--tree", default="chain:4")
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("-o", "--output", default="engines/demo")

@@ -33,7 +33,6 @@ from specc.passes.tree_inputs import tree_inputs
 from specc.passes.verify import verify
 
 FORMAT_VERSION = 1
-SHIPPED_DFLASH = Path(__file__).parent / "assets" / "smollm2-135m-dflash"  # the drafter for the default model
 MANIFEST = "specc.json"
 DEFAULT_TREE = {"none": "chain:0", "ngram": "chain:4", "draft-model": "chain:4", "dflash": "chain:4"}
 
@@ -139,8 +138,6 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
         raise SpeccError(f"the {drafter} drafter proposes a chain in this version; use --tree chain:K.")
     dflash = None
     if drafter == "dflash":
-        if drafter_path is None and model is None and SHIPPED_DFLASH.is_dir():
-            drafter_path = SHIPPED_DFLASH  # trained for the embedded SmolLM2 by `specc train`
         if drafter_path is None:
             raise SpeccError("--drafter dflash needs --drafter-path DIR, a DFlash drafter directory "
                              "(config.json + safetensors), e.g. one written by `specc train`.")

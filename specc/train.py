@@ -415,7 +415,8 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
     work = out / "train"
     progress_file = work / "progress.json"
     data_file, eval_file, data_meta = work / "data.safetensors", work / "eval.safetensors", work / "data.json"
-    if out.exists() and any(out.iterdir()) and not (progress_file.is_file() or data_meta.is_file()):
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (progress_file.is_file()
+                                                                           or data_meta.is_file()))):
         raise SpeccError(f"output {str(out)!r} exists and is not a specc training directory; refusing to overwrite it.")
     resumed = None
     if progress_file.is_file():

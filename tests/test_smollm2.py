@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import specc
-from specc.compiler import SHIPPED_DFLASH
 from specc.models import load_model
 
 pytestmark = pytest.mark.slow
@@ -59,11 +58,3 @@ def test_greedy_identical_to_hf(reference, tmp_path, backend, drafter, tree):
                          max_len=512, progress=False, **kw)
     check_engine(path, reference, drafter != "none")
 
-
-@pytest.mark.skipif(not SHIPPED_DFLASH.is_dir(), reason="no DFlash drafter shipped for SmolLM2")
-def test_dflash_greedy_identical_to_hf(reference, tmp_path):
-    """The shipped DFlash drafter (eager: the inductor path is covered on tiny models, and its
-    SmolLM2 compile would add minutes to the suite)."""
-    path = specc.compile(None, drafter="dflash", tree="chain:4", backend="eager", output_dir=tmp_path / "engine",
-                         max_len=512, progress=False)
-    check_engine(path, reference, True)

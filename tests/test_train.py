@@ -146,3 +146,24 @@ def test_saved_drafter_folds_the_input_scale(tmp_path):
     again = DFlashTrainer(model, TrainConfig(block_size=4, taps=2), 3, seqs)
     again.load(tmp_path / "d")
     torch.testing.assert_close(again.drafter.fc.weight, tr.drafter.fc.weight)
+
+
+@pytest.mark.parametrize("case", ["output-is-a-file", "output-has-other-content", "missing-model"])
+def test_train_bad_input(tmp_path, case):
+    out = tmp_path / "run"
+    model = []
+    if case == "output-is-a-file":
+        out.write_text("precious")
+    elif case == "output-has-other-content":
+        out.mkdir()
+        (out / "notes.txt").write_text("precious")
+    else:
+        model = [str(tmp_path / "no-such-model")]
+    proc = run_specc("train", *model, "--drafter", "dflash", "--smoke", "-o", str(out), timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("specc: error:") and proc.stderr.count("\n") == 1
+    if case == "missing-model":
+        assert "no-such-model" in proc.stderr and not out.exists()
+    else:
+        assert "refusing to overwrite" in proc.stderr
+        assert out.read_text() == "precious" if out.is_file() else sorted(p.name for p in out.iterdir()) == ["notes.txt"]
