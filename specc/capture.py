@@ -11,7 +11,7 @@ model's own weights and submodules (embedding, norms, activation, rotary embeddi
   K/V over the whole cache;
 * q/k/v and gate/up projections are fused into one weight each ([out, in], as nn.Linear keeps
   them), so a decode step makes one matrix-vector product per group;
-* any decoder layer's output can be returned as a hidden-state tap.
+* any decoder layer's output, or the hidden after the final norm, can be returned as a tap.
 """
 from __future__ import annotations
 
@@ -97,6 +97,10 @@ class Block(nn.Module):
 class TargetModule(nn.Module):
     """forward(tokens [1,T], positions [1,T], cache_pos [T], mask [1,1,T,S]) -> (logits [1,T,V], *taps).
 
+    `taps`: the hidden states [1,T,H] to return beside the logits, in the order given. Tap i < n_layers
+    is decoder layer i's output; tap n_layers is the hidden after the final norm (exactly lm_head's
+    input, what MTP heads condition on).
+
     `share`: another TargetModule over the same HF model whose weight tensors to reuse (a draft
     model made of the target's first layers needs its own caches, not its own weights)."""
 
@@ -111,8 +115,9 @@ class TargetModule(nn.Module):
         if not 1 <= n_layers <= n_total:
             raise SpeccError(f"a draft model truncated to {n_layers} layers is impossible: the target has {n_total}.")
         for t in taps:
-            if not 0 <= t < n_layers:
-                raise SpeccError(f"hidden-state tap {t} is outside the model's {n_layers} layers.")
+            if not 0 <= t <= n_layers:
+                raise SpeccError(f"hidden-state tap {t} is outside the model's {n_layers} layers "
+                                 f"(tap {n_layers} is the final norm's output).")
         n_heads = cfg.num_attention_heads
         n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
@@ -137,7 +142,9 @@ class TargetModule(nn.Module):
             x = block(x, cos, sin, cache_pos, mask)
             if i in self.taps:
                 tapped[i] = x
-        logits = F.linear(self.norm(x), self.w_head).float()
+        x = self.norm(x)
+        tapped[self.n_layers] = x  # the head's input; returned only when asked for
+        logits = F.linear(x, self.w_head).float()
         return (logits, *(tapped[i] for i in self.taps))  # in the order asked for
 
     def state(self) -> dict[str, torch.Tensor]:

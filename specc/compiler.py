@@ -20,9 +20,10 @@ from . import __version__
 from .backends import EagerGraph, InductorGraph, check_backend, compile_inductor
 from .capture import TargetModule, capture, causal_mask, sliding_window_limit
 from .dflash import DFlashStep, check_fits, load_dflash, save_dflash
-from .drafters import DFlashDrafterRuntime, DraftModelDrafter, NgramDrafter, check_drafter
+from .drafters import DFlashDrafterRuntime, DraftModelDrafter, MTPDrafterRuntime, NgramDrafter, check_drafter
 from .errors import SpeccError
 from .models import load_model, parse_dtype, sha256_file
+from .mtp import MTPStep, check_engine_heads, load_mtp, save_deepseek_v3
 from .pipeline import Pipeline, example_inputs
 from .runtime import Engine
 from .tree import Tree, chain, parse_tree, tree_from_paths
@@ -34,13 +35,14 @@ from specc.passes.verify import verify
 
 FORMAT_VERSION = 1
 MANIFEST = "specc.json"
-DEFAULT_TREE = {"none": "chain:0", "ngram": "chain:4", "draft-model": "chain:4", "dflash": "chain:4"}
+DEFAULT_TREE = {"none": "chain:0", "ngram": "chain:4", "draft-model": "chain:4", "dflash": "chain:4",
+                "mtp": "chain:2"}
 
 
 @dataclass
 class GraphPlan:
     name: str
-    module: str  # "target" | "draft" | "dflash": whose tensors the graph runs on
+    module: str  # "target" | "draft" | "dflash" | "mtp": whose tensors the graph runs on
     T: int  # tokens per call
     pipeline: Pipeline
 
@@ -67,6 +69,10 @@ def graph_plans(tree: Tree, drafter: str, chunk: int, cache_len: int, backend: s
         # Context rows of a prefill chunk, and of one step (at most the tree's size are committed).
         plans.append(GraphPlan("dflash_prefill", "dflash", chunk, start()))
         plans.append(GraphPlan("dflash_step", "dflash", tree.size, start()))
+    if drafter == "mtp":
+        # Hidden rows of a prefill chunk, and of one step, as for dflash.
+        plans.append(GraphPlan("mtp_prefill", "mtp", chunk, start()))
+        plans.append(GraphPlan("mtp_step", "mtp", tree.size, start()))
     return plans
 
 
@@ -76,6 +82,10 @@ def build_program(plan: GraphPlan, module, dump_dir: Path | None = None):
         width = module.drafter.fc.in_features
         args = (torch.zeros(T, width, dtype=module.drafter.fc.weight.dtype), torch.tensor(0), torch.tensor(T),
                 torch.tensor(0))
+    elif isinstance(module, MTPStep):  # (hidden [R, H], next_tokens [R], ctx_start, n_ctx)
+        w = module.eh_proj.weight
+        args = (torch.zeros(T, w.shape[0], dtype=w.dtype), torch.zeros(T, dtype=torch.int64), torch.tensor(0),
+                torch.tensor(T))
     else:
         args = (torch.zeros(1, T, dtype=torch.int64), torch.arange(T).view(1, T), torch.arange(T),
                 causal_mask(T, 0, module.cache_len))
@@ -95,6 +105,18 @@ def _drafter_model(drafter: str, drafter_path, drafter_layers, target, dtype):
                          f"a draft model must share the target's tokenizer.")
     n = drafter_layers or d.model.config.num_hidden_layers
     return d.model, n, {"source": "model", "layers": n, "name": d.name}
+
+
+def _mtp_step(heads, target_module: TargetModule, cache_len: int, depth: int) -> MTPStep:
+    t = target_module
+    return MTPStep(heads, t.embed_tokens, t.norm, t.w_head, t.rotary_emb, cache_len, depth)
+
+
+def _target_taps(entry: dict, num_layers: int) -> tuple[int, ...]:
+    """The target taps a drafter's manifest entry implies."""
+    if entry["kind"] == "mtp":
+        return (num_layers,)
+    return tuple(entry.get("target_layer_ids", ()))
 
 
 def _eos_ids(model) -> list[int]:
@@ -130,11 +152,11 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
         raise SpeccError(f"--tree {tree_spec} needs a drafter to fill it; add --drafter ngram or draft-model.")
     if drafter != "none" and tr.size < 2:
         raise SpeccError(f"--tree {tree_spec} has no draft tokens; use chain:K with K >= 1.")
-    if drafter not in ("draft-model", "dflash") and drafter_path is not None:
-        raise SpeccError("--drafter-path only applies to --drafter draft-model or dflash.")
+    if drafter not in ("draft-model", "dflash", "mtp") and drafter_path is not None:
+        raise SpeccError("--drafter-path only applies to --drafter draft-model, dflash or mtp.")
     if drafter != "draft-model" and drafter_layers is not None:
         raise SpeccError("--drafter-layers only applies to --drafter draft-model.")
-    if drafter in ("ngram", "draft-model", "dflash") and not tr.is_chain:
+    if drafter in ("ngram", "draft-model", "dflash", "mtp") and not tr.is_chain:
         raise SpeccError(f"the {drafter} drafter proposes a chain in this version; use --tree chain:K.")
     dflash = None
     if drafter == "dflash":
@@ -152,6 +174,9 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
                              f"{block_size} gives {block_size - 1}.")
     elif block_size is not None:
         raise SpeccError("--block-size only applies to --drafter dflash.")
+    if drafter == "mtp" and drafter_path is None:
+        raise SpeccError("--drafter mtp needs --drafter-path DIR, an MTP checkpoint in the DeepSeek-V3 or "
+                         "Qwen3-Next layout, e.g. one written by `specc train --drafter mtp`.")
 
     # 2. Load the models.
     target = load_model(model, torch_dtype)
@@ -164,6 +189,11 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
     if dflash is not None:
         check_fits(dflash.config, cfg)
         taps = tuple(dflash.config.target_layer_ids)
+    heads = None
+    if drafter == "mtp":
+        heads = load_mtp(drafter_path, target.model)  # refuses a checkpoint of another hidden size
+        check_engine_heads(heads)
+        taps = (cfg.num_hidden_layers,)  # the hidden after the final norm
     target_module = TargetModule(target.model, cache_len, taps=taps)
     draft_module, draft_entry = None, {"kind": drafter}
     if drafter == "draft-model":
@@ -177,6 +207,11 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
         c = dflash.config
         draft_entry.update({"block_size": block_size, "trained_block_size": c.block_size, "num_layers": c.num_layers,
                             "target_layer_ids": c.target_layer_ids, "mask_token_id": c.mask_token_id})
+    elif drafter == "mtp":
+        draft_module = _mtp_step(heads, target_module, cache_len, tr.size - 1)
+        c = heads.config
+        draft_entry.update({"depth": tr.size - 1, "trained_depth": c.depth, "num_modules": c.num_modules,
+                            "order": c.order, "feedback": c.feedback, "has_final_norm": c.has_final_norm})
     elif drafter == "ngram":
         # min_ngram 3 measured best of 1..3 on MT-Bench and HumanEval (BENCHMARKS.md).
         draft_entry.update({"max_ngram": 4, "min_ngram": 3})
@@ -211,6 +246,8 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
             draft_hf.save_pretrained(stage / "draft")
         if dflash is not None:
             save_dflash(dflash, stage / "draft")
+        if heads is not None:  # the engine holds the target's head and embedding: no copies
+            save_deepseek_v3(heads, stage / "draft", target.model, shared_copies=False)
         for p in stage.rglob("*"):
             if p.suffix in (".bin", ".pkl", ".pickle", ".pt"):
                 raise SpeccError(f"refusing to write pickled file {p.name} into the engine.")
@@ -298,7 +335,7 @@ def load(path, check_hashes: bool = True) -> Engine:
     cache_len, chunk = manifest["cache_len"], manifest["prefill_chunk"]
     tr = tree_from_paths(manifest["tree"]["paths"])
     dr = manifest["drafter"]
-    modules = {"target": TargetModule(model, cache_len, taps=tuple(dr.get("target_layer_ids", ())))}
+    modules = {"target": TargetModule(model, cache_len, taps=_target_taps(dr, model.config.num_hidden_layers))}
     if dr["kind"] == "draft-model":
         hf = model if dr["source"] == "target" else AutoModelForCausalLM.from_pretrained(
             path / "draft", dtype=dtype).eval().requires_grad_(False)
@@ -308,6 +345,8 @@ def load(path, check_hashes: bool = True) -> Engine:
         dflash = load_dflash(path / "draft", dtype)
         modules["dflash"] = DFlashStep(dflash, modules["target"].embed_tokens, modules["target"].w_head, cache_len,
                                        dr["block_size"])
+    if dr["kind"] == "mtp":
+        modules["mtp"] = _mtp_step(load_mtp(path / "draft", model), modules["target"], cache_len, dr["depth"])
     states = {k: m.state() for k, m in modules.items()}
     graphs = {}
     plans = {p.name: p for p in graph_plans(tr, dr["kind"], chunk, cache_len, backend)}
@@ -328,6 +367,8 @@ def load(path, check_hashes: bool = True) -> Engine:
         drafter = DraftModelDrafter(tr, graphs["draft_prefill"], graphs["draft_step"], chunk)
     elif dr["kind"] == "dflash":
         drafter = DFlashDrafterRuntime(tr, graphs["dflash_prefill"], graphs["dflash_step"], chunk)
+    elif dr["kind"] == "mtp":
+        drafter = MTPDrafterRuntime(tr, graphs["mtp_prefill"], graphs["mtp_step"], chunk)
     return Engine(manifest, graphs, tokenizer, drafter, tr, path=path)
 
 

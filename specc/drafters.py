@@ -1,4 +1,4 @@
-"""The runtime side of each drafter: n-gram prompt lookup, a smaller draft model, and DFlash.
+"""The runtime side of each drafter: n-gram prompt lookup, a smaller draft model, DFlash and MTP heads.
 
 All propose deterministic drafts (q is one-hot), which the verifier accepts with the exact
 one-hot rule, so sampling stays lossless without a drafter distribution.
@@ -17,9 +17,9 @@ DRAFTERS = ("none", "ngram", "draft-model", "mtp", "dflash", "dspark")
 def check_drafter(name: str) -> None:
     if name not in DRAFTERS:
         raise SpeccError(f"--drafter {name!r} is unknown; use one of {', '.join(DRAFTERS)}.")
-    if name in ("mtp", "dspark"):
+    if name == "dspark":
         raise SpeccError(f"the {name} drafter is not available in engines in this version of specc; "
-                         f"use --drafter dflash, ngram or draft-model.")
+                         f"use --drafter dflash, mtp, ngram or draft-model.")
 
 
 def ngram_propose(tokens: np.ndarray, k: int, max_ngram: int = 4, min_ngram: int = 1) -> list[int]:
@@ -140,6 +140,55 @@ class DFlashDrafterRuntime:
                 piece = torch.cat((piece, piece.new_zeros(R - m, piece.shape[1])))
             pos = start + done
             drafts = graph(piece, torch.tensor(pos), torch.tensor(m), torch.tensor(committed[pos + m]))
+            done += m
+        self.pending = []
+        return drafts[: self.k].tolist(), True
+
+    def accepted(self, committed: list[int], n_accepted: int) -> None:
+        pass
+
+
+class MTPDrafterRuntime:
+    """Feeds the target's post-final-norm hidden of committed tokens, each beside the token after it,
+    into the MTP graphs' cache, and drafts a chain recursively after the last committed token."""
+
+    kind = "mtp"
+    needs_taps = True
+
+    def __init__(self, tree: Tree, prefill_graph, step_graph, chunk: int):
+        if not tree.is_chain:
+            raise SpeccError("the mtp drafter proposes a chain in this version; use --tree chain:K.")
+        self.k = tree.size - 1
+        self.chunk, self.prefill_graph = chunk, prefill_graph  # rows per call, and its graph
+        self.step_rows, self.step_graph = tree.size, step_graph
+
+    def start(self, prompt_ids: list[int], temperature, top_p) -> None:
+        self.pending: list[torch.Tensor] = []  # hidden rows not yet in the drafter's cache
+        self.pending_start = 0  # position of the first pending row
+
+    def add_rows(self, rows: torch.Tensor, start: int) -> None:
+        """rows [n, H]: the target's final hidden of committed tokens at positions start..start+n-1."""
+        if not self.pending:
+            self.pending_start = start
+        self.pending.append(rows)
+
+    def propose(self, committed: list[int]) -> tuple[list[int], bool]:
+        rows = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
+        start, n = self.pending_start, rows.shape[0]
+        # Row p pairs with committed[p + 1]: the last committed token has no hidden yet.
+        assert start + n == len(committed) - 1, "every committed token but the last has its hidden row"
+        drafts = None
+        done = 0
+        while done < n:  # the last call's drafts are the ones that count
+            R, graph = ((self.step_rows, self.step_graph) if n - done <= self.step_rows
+                        else (self.chunk, self.prefill_graph))
+            piece = rows[done: done + R]
+            m = piece.shape[0]
+            pos = start + done
+            nxt = committed[pos + 1: pos + m + 1] + [0] * (R - m)
+            if m < R:
+                piece = torch.cat((piece, piece.new_zeros(R - m, piece.shape[1])))
+            drafts = graph(piece, torch.tensor(nxt, dtype=torch.int64), torch.tensor(pos), torch.tensor(m))
             done += m
         self.pending = []
         return drafts[: self.k].tolist(), True

@@ -34,7 +34,13 @@ Checkpoint layouts (read straight from safetensors: transformers drops these key
   `mtp.pre_fc_norm_hidden.weight` (hnorm), `mtp.layers.{j}.*` (one decoder block per depth, sharing
   fc and the norms), optional `mtp.norm.weight`.
 Neither layout records the concat order; specc writes `mtp_concat_order` into config.json when it is
-"hidden_emb" (MiMo style) and reads it back, defaulting to "emb_hidden".
+"hidden_emb" (MiMo style) and reads it back, defaulting to "emb_hidden".  Likewise `mtp_depth`, the
+depth the heads were trained for (the default depth on load; absent: the number of modules), and
+`mtp_feedback` when DeepSeek-V3-layout heads feed back the normed hidden (Qwen3-Next heads saved in
+that layout, as an engine saves them): the layout itself implies "block".
+
+Engines (`MTPStep`) run one module at every depth with one static KV cache, drafting recursively
+from the last committed position; `cached_scheme_drafts` is the slow reference of that scheme.
 """
 from __future__ import annotations
 
@@ -48,12 +54,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .capture import Block
 from .errors import SpeccError
 
 ORDERS = ("emb_hidden", "hidden_emb")
 FEEDBACKS = ("block", "normed")
 ORDER_KEY = "mtp_concat_order"  # specc's own config.json key; absent means "emb_hidden"
+FEEDBACK_KEY = "mtp_feedback"  # specc's own config.json key (DeepSeek-V3 layout); absent means "block"
+DEPTH_KEY = "mtp_depth"  # specc's own config.json key: the depth the heads were trained for
 MTP_FILE = "mtp.safetensors"
+NEG_INF = -1e9  # as in specc.capture: large negative, so the additive mask stays finite
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,6 +279,107 @@ def reference_drafts(heads: MTPHeads, target_hf_model, prefix_ids: list[int], de
 
 
 # ----------------------------------------------------------------------------------------------
+# Engines: the cached step module and the slow reference of its scheme
+
+
+def check_engine_heads(heads: MTPHeads) -> None:
+    """Engines reuse one module at every depth (one KV cache); refuse heads with more."""
+    n = heads.config.num_modules
+    if n != 1:
+        raise SpeccError(f"engines run MTP heads with one module reused at every depth, but this checkpoint "
+                         f"has {n} modules.")
+
+
+@torch.no_grad()
+def cached_scheme_drafts(heads: MTPHeads, target_hf_model, committed: list[int], depth: int) -> list[int]:
+    """The drafts d_1..d_depth that an engine's MTPStep proposes after `committed`, slowly and uncached.
+
+    One causal sequence of rows at positions 0, 1, ... through the one module: row p <= P = n-2
+    (n = len(committed)) combines the target's hidden h_p with Emb(t_{p+1}); row P+d-1 (d >= 2)
+    combines the fed-back output of the row before it with Emb(d_{d-1}).  Row P+d-1 gives d_d.
+    Depth 1 is reference_drafts' depth 1; deeper rows attend to the depth-1 rows of the committed
+    positions (one cache), where reference_drafts reruns each depth over every prefix row."""
+    check_engine_heads(heads)
+    if len(committed) < 2:
+        raise SpeccError("MTP drafting needs at least two committed tokens.")
+    module, parts = heads.mtp[0], target_parts(target_hf_model)
+    device = parts["embed"].weight.device
+    h, _ = target_hidden(target_hf_model, torch.tensor([committed[:-1]], device=device))
+    tokens, drafts = list(committed[1:]), []
+    for _ in range(depth):
+        R = h.shape[1]
+        emb = parts["embed"](torch.tensor([tokens], device=device))
+        pos = torch.arange(R, device=device).unsqueeze(0)
+        cos, sin = parts["rotary_emb"](emb, pos)
+        last = module(h, emb, (cos, sin), _causal_mask(R, emb.dtype, emb.device), pos)[:, -1:]
+        drafts.append(int(module.logits(last, parts["final_norm"], parts["lm_head"])[0, -1].argmax()))
+        h = torch.cat((h, module.next_hidden(last)), dim=1)
+        tokens.append(drafts[-1])
+    return drafts
+
+
+class MTPStep(nn.Module):
+    """Batch-1 MTP drafting with a static KV cache for the module's decoder layer; the compiler captures it.
+
+    forward(hidden [R,H], next_tokens [R], ctx_start [], n_ctx []) -> drafts [depth].  Rows i < n_ctx
+    are committed positions p = ctx_start + i: the target's post-final-norm hidden h_p beside
+    next_tokens[i] = t_{p+1}.  Their K/V go to cache slot p and each attends to slots <= p.  Row
+    n_ctx-1 (position P) gives d_1; depth d >= 2 is one row at position P+d-1 (the fed-back hidden
+    and Emb(d_{d-1})), written at its slot, attending slots <= its position.  Padding rows (i >=
+    n_ctx) write slots > P, which the depth rows or a later call overwrite before anything reads them.
+    The target's embedding, final norm, LM head and rotary embedding are passed in and shared."""
+
+    def __init__(self, heads: MTPHeads, embed_tokens: nn.Module, final_norm: nn.Module, lm_head_weight: torch.Tensor,
+                 rotary_emb: nn.Module, cache_len: int, depth: int):
+        super().__init__()
+        check_engine_heads(heads)
+        if depth < 1:
+            raise SpeccError(f"MTP drafting needs depth 1 or more, not {depth}.")
+        c, m = heads.config, heads.mtp[0]
+        self.enorm, self.hnorm, self.eh_proj = m.enorm, m.hnorm, m.eh_proj
+        self.head_norm = m.final_norm if m.final_norm is not None else final_norm
+        self.normed_feedback = m.feedback == "normed" and m.final_norm is not None  # through the own norm
+        self.emb_first = m.order == "emb_hidden"
+        self.embed_tokens, self.rotary_emb = embed_tokens, rotary_emb
+        # The target's own tensor, registered (not a plain attribute, which export would bake in as a constant).
+        self.lm_head_weight = nn.Parameter(lm_head_weight, requires_grad=False)
+        self.block = Block(m.layer, cache_len, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                           m.eh_proj.weight.dtype)
+        self.cache_len, self.depth = cache_len, depth
+
+    def _mix(self, h, e):
+        e, h = self.enorm(e), self.hnorm(h)
+        return self.eh_proj(torch.cat((e, h) if self.emb_first else (h, e), dim=-1))
+
+    def _layer(self, x, pos):
+        """The decoder layer over rows x [T,H] at positions pos [T], through the cache."""
+        cos, sin = self.rotary_emb(x, pos.view(1, -1))
+        mask = torch.where(torch.arange(self.cache_len).view(1, -1) <= pos.view(-1, 1), 0.0, NEG_INF)
+        out = self.block(x.unsqueeze(0), cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype), pos,
+                         mask.view(1, 1, *mask.shape))
+        return out[0]
+
+    def _draft(self, out):
+        return F.linear(self.head_norm(out), self.lm_head_weight).argmax(-1)
+
+    def forward(self, hidden, next_tokens, ctx_start, n_ctx):
+        R = hidden.shape[0]
+        out = self._layer(self._mix(hidden, self.embed_tokens(next_tokens)), torch.arange(R) + ctx_start)
+        last = out.index_select(0, (n_ctx - 1).view(1))  # position P = ctx_start + n_ctx - 1
+        drafts = [self._draft(last)]
+        for d in range(2, self.depth + 1):
+            h = self.head_norm(last) if self.normed_feedback else last
+            last = self._layer(self._mix(h, self.embed_tokens(drafts[-1])), (ctx_start + n_ctx + d - 2).view(1))
+            drafts.append(self._draft(last))
+        return torch.cat(drafts)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        out = dict(self.named_parameters())
+        out.update(self.named_buffers())
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
 # Checkpoint files
 
 
@@ -347,6 +458,12 @@ def _load_strict(module: nn.Module, state: dict[str, torch.Tensor], file_key) ->
 def _new_heads(target_hf_model, cfg_json: dict, num_modules: int, depth, order, has_final_norm,
                feedback) -> MTPHeads:
     order = order or cfg_json.get(ORDER_KEY, "emb_hidden")
+    if depth is None and cfg_json.get(DEPTH_KEY) is not None:
+        try:
+            depth = int(cfg_json[DEPTH_KEY])
+        except (TypeError, ValueError):
+            raise SpeccError(f"the MTP checkpoint's config.json has {DEPTH_KEY} {cfg_json[DEPTH_KEY]!r}, "
+                             f"which is not a depth.") from None
     return build_heads(target_hf_model, num_modules=num_modules, depth=depth, order=order,
                        has_final_norm=has_final_norm, feedback=feedback)
 
@@ -360,6 +477,7 @@ def _write(path: Path, target_hf_model, heads: MTPHeads, extra_config: dict, ten
     cfg.update(extra_config)
     if heads.config.order != "emb_hidden":
         cfg[ORDER_KEY] = heads.config.order
+    cfg[DEPTH_KEY] = heads.config.depth
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     # Own contiguous copies: safetensors refuses tensors that share storage (a tied head and embedding).
     save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}, str(path / MTP_FILE))
@@ -423,9 +541,12 @@ def load_deepseek_v3(path, target_hf_model, depth: int | None = None, order: str
                 state["layer." + sub] = t
         states.append(state)
         norms.append(norm)
-    # A shared_head.norm equal to the target's final norm adds nothing; one that differs is the module's own.
-    own_norm = any(n is not None and not torch.equal(n.to(norm_w.dtype), norm_w.detach().cpu()) for n in norms)
-    heads = _new_heads(target_hf_model, cfg_json, k, depth, order, own_norm, "block")
+    # A shared_head.norm equal to the target's final norm adds nothing to the logits; one that differs is
+    # the module's own.  Heads that feed back the normed hidden always need it (even when equal).
+    feedback = cfg_json.get(FEEDBACK_KEY, "block")
+    own_norm = feedback == "normed" or any(
+        n is not None and not torch.equal(n.to(norm_w.dtype), norm_w.detach().cpu()) for n in norms)
+    heads = _new_heads(target_hf_model, cfg_json, k, depth, order, own_norm, feedback)
 
     def file_key(local, j):
         return f"model.layers.{L + j}." + (local[len("layer."):] if local.startswith("layer.") else local)
@@ -438,10 +559,11 @@ def load_deepseek_v3(path, target_hf_model, depth: int | None = None, order: str
     return heads
 
 
-def save_deepseek_v3(heads: MTPHeads, path, target_hf_model) -> Path:
+def save_deepseek_v3(heads: MTPHeads, path, target_hf_model, shared_copies: bool = True) -> Path:
     """A directory with config.json (the target's config plus num_nextn_predict_layers) and
     mtp.safetensors holding exactly the DeepSeek-V3 keys, including the shared_head and embedding
-    copies real checkpoints carry."""
+    copies real checkpoints carry (left out with shared_copies=False: an engine already holds the
+    target's, and specc never reads them)."""
     tcfg = target_hf_model.config
     L = tcfg.num_hidden_layers
     head_w = target_hf_model.get_output_embeddings().weight
@@ -455,9 +577,13 @@ def save_deepseek_v3(heads: MTPHeads, path, target_hf_model) -> Path:
             tensors[p + k] = v
         norm = module.final_norm if module.final_norm is not None else target_hf_model.model.norm
         tensors[p + "shared_head.norm.weight"] = norm.weight
-        tensors[p + "shared_head.head.weight"] = head_w
-        tensors[p + "embed_tokens.weight"] = embed_w
-    return _write(path, target_hf_model, heads, {"num_nextn_predict_layers": len(heads.mtp)}, tensors)
+        if shared_copies:
+            tensors[p + "shared_head.head.weight"] = head_w
+            tensors[p + "embed_tokens.weight"] = embed_w
+    extra = {"num_nextn_predict_layers": len(heads.mtp)}
+    if heads.config.feedback == "normed" and heads.config.has_final_norm:  # without a norm both feed back alike
+        extra[FEEDBACK_KEY] = "normed"
+    return _write(path, target_hf_model, heads, extra, tensors)
 
 
 # ----------------------------------------------------------------------------------------------

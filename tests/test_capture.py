@@ -141,12 +141,15 @@ def test_hidden_state_taps():
     # the tap is the raw layer output, and norm(tap) is HF's last hidden state.
     torch.testing.assert_close(model.model.norm(taps[2]), hf.hidden_states[3], atol=ATOL, rtol=0)
     torch.testing.assert_close(logits, hf.logits, atol=ATOL, rtol=0)
-    # A single tap is the same tensor; a tap outside the layers is refused.
+    # A single tap is the same tensor; tap 3 (= the number of layers) is the final norm's output;
+    # a tap past that is refused.
     tm2 = TargetModule(model, S, taps=(1,))
     _, only = tm2(*chunk_args(ids, 0))
     torch.testing.assert_close(only, taps[1], atol=1e-6, rtol=0)
-    with pytest.raises(SpeccError, match="tap 3"):
-        TargetModule(model, S, taps=(3,))
+    _, final = TargetModule(model, S, taps=(3,))(*chunk_args(ids, 0))
+    torch.testing.assert_close(final, model.model.norm(taps[2]), atol=1e-6, rtol=0)
+    with pytest.raises(SpeccError, match="tap 4"):
+        TargetModule(model, S, taps=(4,))
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 1), (4, 4), (8, 2)])

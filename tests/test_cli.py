@@ -154,6 +154,17 @@ def _json_tree_without_prefix(c: Ctx) -> str:
     return str(f)
 
 
+def _mtp_checkpoint(c: Ctx, modules: int = 1, hidden: int | None = None) -> str:
+    """MTP heads (DeepSeek-V3 layout) for the tiny model, or for a tiny model of another hidden size."""
+    from transformers import AutoModelForCausalLM
+
+    from specc.mtp import build_heads, save_deepseek_v3
+    from tiny import tiny_model
+
+    tgt = tiny_model("llama", hidden=hidden) if hidden else AutoModelForCausalLM.from_pretrained(c.model)
+    return str(save_deepseek_v3(build_heads(tgt, num_modules=modules), c.tmp / "mtp", tgt))
+
+
 COMPILE_ERRORS = {  # id: (argv before -o, words the message must contain)
     "missing-model": (lambda c: ["/nonexistent/model"], ["/nonexistent/model", "does not exist"]),
     "tree-chain-x": (lambda c: [c.model, "--drafter", "ngram", "--tree", "chain:x"], ["chain:x", "malformed"]),
@@ -163,7 +174,14 @@ COMPILE_ERRORS = {  # id: (argv before -o, words the message must contain)
                                  ["tree.json", "prefix"]),
     "unknown-backend": (lambda c: [c.model, "--backend", "cuda-magic"], ["--backend", "cuda-magic"]),
     "tensorrt": (lambda c: [c.model, "--backend", "tensorrt"], ["tensorrt", "not"]),
-    "drafter-mtp": (lambda c: [c.model, "--drafter", "mtp"], ["mtp", "not available"]),
+    "drafter-dspark": (lambda c: [c.model, "--drafter", "dspark"], ["dspark", "not available"]),
+    "mtp-without-path": (lambda c: [c.model, "--drafter", "mtp"], ["mtp", "--drafter-path"]),
+    "mtp-tree-not-chain": (lambda c: [c.model, "--drafter", "mtp", "--drafter-path", c.model, "--tree", "topk:2,2"],
+                           ["mtp", "chain:K"]),
+    "mtp-two-modules": (lambda c: [c.model, "--drafter", "mtp", "--drafter-path", _mtp_checkpoint(c, modules=2)],
+                        ["one module", "2 modules"]),  # loads the target
+    "mtp-hidden-mismatch": (lambda c: [c.model, "--drafter", "mtp", "--drafter-path", _mtp_checkpoint(c, hidden=48)],
+                            ["hidden size 32", "another model"]),  # loads the target
     "dflash-without-path": (lambda c: [c.model, "--drafter", "dflash"], ["dflash", "--drafter-path"]),
     "dflash-path-not-dflash": (lambda c: [c.model, "--drafter", "dflash", "--drafter-path", c.model],
                                ["not a DFlash drafter"]),
@@ -180,7 +198,8 @@ def _compile_error_job(argv):
 
 
 for _id, (_argv, _) in COMPILE_ERRORS.items():
-    job(f"test_compile_bad_input[{_id}]", slow=_id == "drafter-vocab-mismatch")(_compile_error_job(_argv))
+    job(f"test_compile_bad_input[{_id}]", slow=_id in ("drafter-vocab-mismatch", "mtp-two-modules",
+                                                        "mtp-hidden-mismatch"))(_compile_error_job(_argv))
 
 
 @pytest.mark.parametrize("case", list(COMPILE_ERRORS))

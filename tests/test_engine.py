@@ -202,3 +202,73 @@ def test_dflash_refusals(llama_dir, tmp_path):
         specc.compile(root / "llama", drafter="dflash", drafter_path=opath, tree="chain:3",
                       output_dir=tmp_path / "e3", progress=False)
     assert not any((tmp_path / f"e{i}").exists() for i in range(1, 6))
+
+
+def mtp_checkpoint(target, path, kind: str, seed: int = 0):
+    """(checkpoint dir, heads) for an engine test.
+
+    copy: heads that imitate a one-layer target with unit-RMS embedding rows (eh_proj passes the
+    embedding through, the layer is the target's), so most drafts are accepted and every
+    acceptance length occurs; DeepSeek-V3 layout.
+    normed: random heads with their own final norm fed back (Qwen3-Next style) and the MiMo concat
+    order, in the Qwen3-Next layout: the engine must carry both settings through its own copy."""
+    from specc.mtp import build_heads, save_deepseek_v3, save_qwen3_next
+
+    torch.manual_seed(seed)
+    if kind == "copy":
+        heads = build_heads(target, depth=2)  # trained for 2; the engine uses its tree's depth
+        m, H = heads.mtp[0], target.config.hidden_size
+        with torch.no_grad():
+            m.layer.load_state_dict(target.model.layers[0].state_dict())
+            m.eh_proj.weight.zero_()
+            m.eh_proj.weight[:, :H] = torch.eye(H)
+        return save_deepseek_v3(heads, path, target), heads.eval()
+    heads = build_heads(target, has_final_norm=True, feedback="normed", order="hidden_emb")
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(1.0, 0.3) if p.dim() == 1 else p.normal_(0, 0.2)
+    return save_qwen3_next(heads, path, target), heads.eval()
+
+
+@pytest.mark.parametrize("arch,backend,tree,kind", [
+    ("llama", "eager", "chain:1", "copy"), ("llama", "eager", "chain:3", "copy"),
+    ("qwen3", "eager", "chain:3", "normed"), ("llama", "inductor", "chain:1", "copy"),
+    ("llama", "inductor", "chain:3", "copy")])
+def test_mtp_engine_greedy_and_drafts(tmp_path, arch, backend, tree, kind):
+    """Greedy output equals the target's; every chain the engine drafts equals the slow uncached
+    reference of the cached scheme (so the hidden rows, their next tokens, positions and the
+    recursion that the runtime and MTPStep feed the cache are the right ones)."""
+    from safetensors import safe_open
+
+    from specc.mtp import MTP_FILE, cached_scheme_drafts
+
+    model = tiny_model(arch, vocab=64, layers=1 if kind == "copy" else 2, seed=2)
+    with torch.no_grad():
+        w = model.model.embed_tokens.weight
+        w /= w.pow(2).mean(-1, keepdim=True).sqrt()  # unit RMS: enorm(emb) is emb itself
+        model.model.norm.weight.normal_(1.0, 0.3)  # the head norm and the feedback norm differ
+    model.save_pretrained(tmp_path / "m")
+    dpath, heads = mtp_checkpoint(model, tmp_path / "mtp", kind)
+    path = specc.compile(tmp_path / "m", drafter="mtp", drafter_path=dpath, tree=tree, backend=backend,
+                         output_dir=tmp_path / "e", max_len=64, prefill_chunk=8, progress=False)
+    k = int(tree.split(":")[1])
+    entry = json.loads((path / "specc.json").read_text())["drafter"]
+    assert entry == {"kind": "mtp", "depth": k, "trained_depth": heads.config.depth, "num_modules": 1,
+                     "order": heads.config.order, "feedback": heads.config.feedback,
+                     "has_final_norm": heads.config.has_final_norm}
+    with safe_open(str(path / "draft" / MTP_FILE), "pt") as st:  # the engine keeps no head or embedding copy
+        assert not any("shared_head.head" in key or "embed_tokens" in key for key in st.keys())
+    engine = specc.load(path)
+    seen = []
+    real = engine.drafter.propose
+    engine.drafter.propose = lambda committed: seen.append((list(committed), out := real(committed))) or out
+    accepted = 0
+    for prompt in (PROMPT, PROMPT[:1], PROMPT * 2):
+        res = engine.generate(prompt, max_new_tokens=20, stop_at_eos=False)
+        assert res.token_ids == hf_greedy(model, prompt, 20)
+        accepted += sum(n * c for n, c in enumerate(res.stats.accepted_hist))
+    assert len(seen) > 10
+    if kind == "copy":
+        assert accepted >= 10  # the acceptance paths (several hidden rows per step) really ran
+    for committed, (drafts, _) in seen:
+        assert drafts == cached_scheme_drafts(heads, model, committed, k)

@@ -351,3 +351,113 @@ def test_layer_is_the_targets_class_and_capture_block_wraps_it(arch):
     got = block(x, cos.unsqueeze(1), sin.unsqueeze(1), pos[0], causal_mask(7, 0, 16))
     want = layer(x, attention_mask=causal_mask(7, 0, 7), position_embeddings=(cos, sin))
     torch.testing.assert_close(got, want[0] if isinstance(want, tuple) else want, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Engines: the final-norm tap, MTPStep and the slow reference of its cached scheme
+
+
+def mtp_step(heads, model, depth: int, cache_len: int = 64):
+    from specc.mtp import MTPStep
+
+    return MTPStep(heads, model.model.embed_tokens, model.model.norm, model.lm_head.weight, model.model.rotary_emb,
+                   cache_len, depth)
+
+
+@torch.no_grad()
+def test_target_module_final_norm_tap():
+    from specc.capture import TargetModule, causal_mask
+
+    model = target("llama")
+    L = model.config.num_hidden_layers
+    ids = seq(9, seed=2)
+    tm = TargetModule(model, 16, taps=(L, 0))
+    logits, final, first = tm(ids, torch.arange(9).view(1, 9), torch.arange(9), causal_mask(9, 0, 16))
+    h, ref_logits = target_hidden(model, ids)
+    torch.testing.assert_close(final, h, atol=1e-5, rtol=0)
+    assert torch.equal(logits, model.lm_head(final).float())  # exactly the head's input
+    hs = model(ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(first, hs[1], atol=1e-5, rtol=0)  # layer taps unchanged
+    with pytest.raises(SpeccError) as err:
+        TargetModule(model, 16, taps=(L + 1,))
+    assert f"tap {L + 1}" in one_sentence(err)
+
+
+@pytest.mark.parametrize("arch,kw", [("llama", {}), ("qwen3", dict(has_final_norm=True, feedback="normed")),
+                                     ("qwen2", dict(order="hidden_emb", has_final_norm=True))])
+@torch.no_grad()
+def test_step_module_matches_cached_scheme(arch, kw):
+    """Rows fed in padded pieces, as the runtime feeds them (random padding: it must not matter);
+    after each call the drafts equal the uncached reference of the scheme at that committed length."""
+    from specc.mtp import cached_scheme_drafts
+
+    model = target(arch)
+    heads = random_heads(model, **kw)
+    step = mtp_step(heads, model, depth=4)
+    ids = seq(24, seed=1)[0].tolist()
+    h = target_hidden(model, torch.tensor([ids]))[0][0]
+    g = torch.Generator().manual_seed(0)
+    R, done = 6, 0
+    for N in (2, 9, 10, 13, 14, 20, 24):  # committed lengths; rows 0..N-2 have their hidden
+        while done < N - 1:
+            m = min(R, N - 1 - done)
+            rows = torch.cat((h[done:done + m], torch.randn(R - m, h.shape[1], generator=g)))
+            nxt = torch.tensor(ids[done + 1:done + m + 1] + torch.randint(0, V, (R - m,), generator=g).tolist())
+            drafts = step(rows, nxt, torch.tensor(done), torch.tensor(m))
+            done += m
+        assert drafts.tolist() == cached_scheme_drafts(heads, model, ids[:N], 4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@torch.no_grad()
+def test_depth_one_equals_teacher_forced_reference(arch):
+    """Depth 1 of the cached scheme is exactly reference_drafts' d_1 (they differ only from depth 2)."""
+    from specc.mtp import cached_scheme_drafts
+
+    model = target(arch)
+    for seed in range(4):
+        heads = random_heads(model, seed=seed)
+        prefix = seq(5 + 3 * seed, seed=seed)[0].tolist()
+        t_n, d_1 = reference_drafts(heads, model, prefix, depth=1)
+        committed = prefix + [t_n]  # the target's own next token, as a greedy engine commits it
+        assert cached_scheme_drafts(heads, model, committed, 1) == [d_1]
+        h = target_hidden(model, torch.tensor([prefix]))[0][0]
+        step = mtp_step(heads, model, depth=1)
+        n = len(prefix)
+        assert step(h, torch.tensor(committed[1:]), torch.tensor(0), torch.tensor(n)).tolist() == [d_1]
+
+
+def test_engines_refuse_several_modules():
+    from specc.mtp import cached_scheme_drafts
+
+    model = target("llama")
+    heads = random_heads(model, num_modules=2)
+    for make in (lambda: mtp_step(heads, model, depth=2), lambda: cached_scheme_drafts(heads, model, [1, 2, 3], 2)):
+        with pytest.raises(SpeccError) as err:
+            make()
+        assert "one module" in one_sentence(err) and "2 modules" in str(err.value)
+
+
+@torch.no_grad()
+def test_normed_feedback_survives_the_deepseek_layout(tmp_path):
+    """Qwen3-Next-style heads (own norm, normed feedback) written in the DeepSeek-V3 layout, as an
+    engine stores them, load back the same even when their norm equals the target's, and with
+    their trained depth."""
+    from specc.mtp import FEEDBACK_KEY, cached_scheme_drafts
+
+    model = target("llama")
+    heads = random_heads(model, has_final_norm=True, feedback="normed", depth=3)
+    heads.mtp[0].final_norm.weight.copy_(model.model.norm.weight)
+    out = save_deepseek_v3(heads, tmp_path / "ds", model, shared_copies=False)
+    assert json.loads((out / "config.json").read_text())[FEEDBACK_KEY] == "normed"
+    from safetensors import safe_open
+    with safe_open(str(out / MTP_FILE), "pt") as st:
+        keys = set(st.keys())
+    assert "model.layers.2.shared_head.norm.weight" in keys and "model.layers.2.shared_head.head.weight" not in keys
+    loaded = load_mtp(out, model)
+    assert loaded.config.feedback == "normed" and loaded.config.has_final_norm
+    assert loaded.config.depth == 3  # the trained depth, recorded as mtp_depth
+    committed = seq(10, seed=3)[0].tolist()
+    assert cached_scheme_drafts(loaded, model, committed, 3) == cached_scheme_drafts(heads, model, committed, 3)
+    ids = seq(12)
+    assert_same(train_logits(loaded, model, ids, depth=3), train_logits(heads, model, ids, depth=3))
