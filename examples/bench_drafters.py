@@ -1,12 +1,14 @@
 """Regenerate the trained-drafter figures of BENCHMARKS.md on this machine, side by side in one run.
 
-DFlash on the embedded SmolLM2 at several run-time block sizes and chain lengths, on HumanEval and
-MT-Bench prompts (greedy, a fixed number of new tokens, chat template on), each against plain
-decoding through the same engine and against HF generate(). Also prints the drafter's held-out
-tau from its training run, for comparison with the tau measured here.
+DFlash (at several run-time block sizes and chain lengths) and MTP (at several chain lengths) on the
+embedded SmolLM2, on HumanEval and MT-Bench prompts (greedy, a fixed number of new tokens, chat
+template on), each against plain decoding through the same engine and against HF generate(). Also
+prints each drafter's held-out tau from its training run, for comparison with the tau measured here.
 
-Usage: python examples/bench_drafters.py --drafter-path DIR [--configs 4:3,8:7,16:15]
-           [--limit 5] [--max-new-tokens 256] [--out BENCHMARKS.md]
+Usage: python examples/bench_drafters.py [--configs dflash:4:3,dflash:8:7,dflash:16:15,mtp:1,mtp:2]
+           [--dflash DIR] [--mtp DIR] [--limit 5] [--max-new-tokens 256] [--out BENCHMARKS.md]
+Config items: dflash:BLOCK:CHAIN or mtp:CHAIN. Without --dflash / --mtp, the drafters shipped with
+specc for SmolLM2 are used.
 """
 import argparse
 import datetime
@@ -19,13 +21,24 @@ from pathlib import Path
 import torch
 
 import specc
-from specc.bench import drafter_label, markdown_table, run_bench
+from specc.bench import drafter_label, run_bench
+from specc.shipped import shipped_drafter, training_summary
+
+
+def parse_config(item: str):
+    parts = item.split(":")
+    if parts[0] == "dflash" and len(parts) == 3:
+        return "dflash", int(parts[1]), int(parts[2])
+    if parts[0] == "mtp" and len(parts) == 2:
+        return "mtp", None, int(parts[1])
+    raise SystemExit(f"config {item!r}: use dflash:BLOCK:CHAIN or mtp:CHAIN")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--drafter-path", required=True, help="a DFlash drafter for SmolLM2 (from `specc train`)")
-    ap.add_argument("--configs", default="4:3,8:7,16:15,16:4", help="BLOCK:CHAIN pairs")
+    ap.add_argument("--dflash", help="a DFlash drafter for SmolLM2 (default: the shipped one)")
+    ap.add_argument("--mtp", help="MTP heads for SmolLM2 (default: the shipped ones)")
+    ap.add_argument("--configs", default="dflash:4:3,dflash:8:7,dflash:16:15,mtp:1,mtp:2,mtp:3,mtp:4")
     ap.add_argument("--limit", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--datasets", default="humaneval,mt-bench")
@@ -33,12 +46,14 @@ def main() -> int:
     ap.add_argument("--out", default="BENCHMARKS.md")
     a = ap.parse_args()
     cmd = "python examples/bench_drafters.py " + " ".join(sys.argv[1:])
-    configs = [tuple(int(x) for x in c.split(":")) for c in a.configs.split(",")]
+    configs = [parse_config(c) for c in a.configs.split(",")]
+    paths = {"dflash": a.dflash, "mtp": a.mtp}
 
     engines = []
-    for block, k in configs:
-        path = specc.compile(None, drafter="dflash", drafter_path=a.drafter_path, block_size=block, tree=f"chain:{k}",
-                             backend="inductor", output_dir=f"{a.engines}/dflash-b{block}-c{k}", max_len=1024)
+    for kind, block, k in configs:
+        name = f"{kind}-b{block}-c{k}" if block else f"{kind}-c{k}"
+        path = specc.compile(None, drafter=kind, drafter_path=paths[kind], block_size=block, tree=f"chain:{k}",
+                             backend="inductor", output_dir=f"{a.engines}/{name}", max_len=1024)
         engines.append(path)
 
     lines = [f"\n## Trained drafters, {datetime.date.today().isoformat()}\n",
@@ -48,14 +63,12 @@ def main() -> int:
              f"ignored; warm-up excluded; medians over prompts. Every speculative row ran side by side with plain "
              f"decoding through the same engine; HF generate() ran once per set, beside the first row.\n",
              f"```\n{cmd}\n```\n"]
-    progress = Path(a.drafter_path) / "train" / "progress.json"
-    if progress.is_file():
-        prog = json.loads(progress.read_text())
-        ev = next((h["eval"] for h in reversed(prog["history"]) if "eval" in h), {})
-        lines.append(f"Drafter: {a.drafter_path}, trained {prog['step']} steps on {prog['sequences']} sequences; "
-                     f"held-out tau at training's end (ShareGPT, teacher-forced, greedy): full block {ev.get('tau')}, "
-                     + ", ".join(f"chain:{k.removeprefix('tau_chain')} {v}" for k, v in ev.items()
-                                 if k.startswith("tau_chain")) + ".\n")
+    for kind in dict.fromkeys(k for k, _, _ in configs):
+        summary = training_summary(paths[kind] or shipped_drafter(kind))
+        if summary:
+            lines.append(f"{kind} drafter: trained {summary['step']} steps on {summary['sequences']} sequences; held-out "
+                         f"tau at training's end (ShareGPT, teacher-forced, greedy): "
+                         + ", ".join(f"{k} {v}" for k, v in summary["eval"].items() if k.startswith("tau")) + ".\n")
     for ds in a.datasets.split(","):
         reports = [run_bench(p, dataset=ds, limit=a.limit, max_new_tokens=a.max_new_tokens,
                              baseline="both" if i == 0 else "ar", command=cmd) for i, p in enumerate(engines)]

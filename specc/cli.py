@@ -141,7 +141,7 @@ def cmd_train(a) -> int:
     fields = {k: getattr(a, k) for k in TrainConfig.__dataclass_fields__ if getattr(a, k, None) is not None}
     cfg = TrainConfig(**{**(SMOKE if a.smoke else {}), **fields})  # explicit options win over --smoke's
     res = train(a.model, a.output, cfg, smoke=a.smoke, progress=not a.json,
-                log=(lambda m: None) if a.json else print)
+                log=(lambda m: None) if a.json else print, command=" ".join(["specc", *sys.argv[1:]]))
     if a.json:
         print(json.dumps(res))
     else:
@@ -164,9 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compile", help="compile a model and drafter into an engine directory")
     c.add_argument("model", nargs="?", default=None,
                    help="Hugging Face model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    c.add_argument("--drafter", default="none", help="none | ngram | draft-model | dflash (mtp, dspark: later)")
+    c.add_argument("--drafter", default="none", help="none | ngram | draft-model | dflash | mtp (dspark: later)")
     c.add_argument("--drafter-path", default=None,
-                   help="draft model directory or .gguf (draft-model); DFlash drafter directory (dflash)")
+                   help="draft model directory or .gguf (draft-model); DFlash drafter directory (dflash); "
+                        "MTP checkpoint, DeepSeek-V3 or Qwen3-Next layout (mtp)")
     c.add_argument("--block-size", type=int, default=None,
                    help="dflash: run on blocks of this size (at most the trained one; default: the trained one)")
     c.add_argument("--drafter-layers", type=int, default=None,

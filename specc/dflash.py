@@ -249,28 +249,34 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
-def block_mask(anchors, ctx_len: int, block_size: int) -> torch.Tensor:
+def block_mask(anchors, ctx_len: int, block_size: int, lengths=None) -> torch.Tensor:
     """Training mask [nb*B, ctx_len + nb*B]: block j (anchor at position a_j) sees context rows at
-    positions < a_j and its own B rows (bidirectionally); nothing else."""
+    positions < a_j and its own rows (bidirectionally); nothing else. With `lengths` [nb], block j
+    is only its first lengths[j] rows as keys: the block an engine running blocks of that size sees
+    (its rows past the length are computed but see nothing they would not, and are not scored)."""
     nb, B = anchors.shape[0], block_size
     row_block = torch.arange(nb * B) // B
     ctx_ok = torch.arange(ctx_len).view(1, -1) < anchors[row_block].view(-1, 1)
     blk_ok = row_block.view(-1, 1) == row_block.view(1, -1)
+    if lengths is not None:
+        blk_ok = blk_ok & ((torch.arange(nb * B) % B) < lengths[row_block]).view(1, -1)
     return torch.where(torch.cat((ctx_ok, blk_ok), dim=1), 0.0, NEG_INF)
 
 
-def draft_logits(drafter: DFlashDrafter, embed: nn.Module, lm_head_weight, taps, tokens, anchors):
+def draft_logits(drafter: DFlashDrafter, embed: nn.Module, lm_head_weight, taps, tokens, anchors,
+                 block_size: int | None = None, lengths=None):
     """Teacher-forced training forward over one sequence. taps [N, L*H] are the target's features of
-    tokens [N]; each anchor a (a + B <= N) starts a block [tokens[a], MASK, ...] at positions
-    a..a+B-1. Returns logits [nb, B-1, V]: row k-1 of block j predicts the token at a_j + k."""
+    tokens [N]; each anchor a starts a block [tokens[a], MASK, ...] of `block_size` rows (default: the
+    trained size) at positions a..a+B-1; `lengths` [nb] optionally shortens blocks (see block_mask).
+    Returns logits [nb, B-1, V]: row k-1 of block j predicts the token at a_j + k."""
     cfg = drafter.config
-    B, nb = cfg.block_size, anchors.shape[0]
+    B, nb = block_size or cfg.block_size, anchors.shape[0]
     block = torch.full((nb, B), cfg.mask_token_id, dtype=torch.long)
     block[:, 0] = tokens[anchors]
     positions = (anchors.view(-1, 1) + torch.arange(B)).reshape(-1)
     x = embed(block.reshape(-1))
     ctx = drafter.context(taps)
-    h = drafter(x, positions, ctx, torch.arange(taps.shape[0]), block_mask(anchors, taps.shape[0], B))
+    h = drafter(x, positions, ctx, torch.arange(taps.shape[0]), block_mask(anchors, taps.shape[0], B, lengths))
     h = h.view(nb, B, -1)[:, 1:]
     return F.linear(h, lm_head_weight)
 

@@ -1,9 +1,10 @@
 """`specc train`: self-distillation of a drafter (DFlash or MTP) from its own target.
 
     ShareGPT prompts (never MT-Bench or HumanEval) -> sequences: the target's own greedy responses
-    ("regenerate") or the dataset's responses ("data") -> for each training step one sequence: the
-    target's taps / hidden states and its argmax labels (no gradient) -> the drafter's loss ->
-    AdamW, cosine schedule -> checkpoints (resumable) and a held-out tau.
+    ("regenerate") or the dataset's responses ("data") -> the target's view of every sequence, once
+    (taps / hidden states and argmax labels, cached) -> for each training step one sequence: the
+    drafter's loss (bf16 autocast where the CPU has bf16) -> AdamW, cosine schedule -> checkpoints
+    (resumable) and a held-out tau (fp32, exact).
 
 Labels are always the target's own argmax at each position given the true prefix, so with
 regenerated sequences (the default) a label is exactly what greedy verification will accept,
@@ -11,7 +12,7 @@ and the held-out tau is the exact greedy acceptance length of a chain over those
 
 Output directory: the drafter in its published format at the top (DFlash: config.json +
 model.safetensors; MTP: the DeepSeek-V3 layout), and `train/` with the sequences
-(data.safetensors), the optimizer state (state.safetensors), progress.json (config, step, loss and
+(data.safetensors), the target's features (features.safetensors), the optimizer state (state.safetensors), progress.json (config, step, loss and
 tau history) and curve.png. Running the same command again resumes from the last checkpoint.
 """
 from __future__ import annotations
@@ -183,59 +184,130 @@ def target_view(model, ids, layer_ids):
     return taps, hs[-1][0], out.logits[0].argmax(-1)
 
 
+def fast_dtype():
+    """bfloat16 where the CPU multiplies it natively (AVX512-BF16 / AMX: about 4x fp32 here), else None."""
+    try:
+        return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported() else None
+    except AttributeError:
+        return None
+
+
+@torch.no_grad()
+def sequence_features(model, seqs, layer_ids, want_hidden: bool, regenerated: bool, dtype=None,
+                      progress: bool = False, desc: str = "features"):
+    """The target's view of every sequence, computed once: [(taps [N, L*H] or None, hidden [N, H] or None,
+    labels [N])]. With `dtype` (bf16) a copy of the target in that dtype computes them (about 2x faster
+    here, and half the memory): training features are then slightly perturbed, which is harmless; labels of
+    a regenerated response are its own next tokens (the target's greedy choices, exact whatever the dtype)
+    and elsewhere the forward's argmax."""
+    import copy
+
+    if dtype is not None and dtype != model.dtype:
+        model = copy.deepcopy(model).to(dtype)
+    out = []
+    for ids, plen in tqdm(seqs, desc=desc, unit="seq", disable=not progress):
+        taps, hidden, labels = target_view(model, ids, layer_ids)
+        if regenerated:
+            labels = labels.clone()
+            labels[plen - 1: len(ids) - 1] = ids[plen:]
+        keep = dtype or torch.float32
+        out.append((taps.to(keep) if taps is not None else None,
+                    hidden.to(keep) if want_hidden else None, labels))
+    return out
+
+
+def save_features(feats, path: Path, meta: dict) -> None:
+    from safetensors.torch import save_file
+
+    t = {"lengths": torch.tensor([len(f[2]) for f in feats]), "labels": torch.cat([f[2] for f in feats])}
+    for i, name in ((0, "taps"), (1, "hidden")):
+        if feats[0][i] is not None:
+            t[name] = torch.cat([f[i] for f in feats])
+    _atomic(path, lambda tmp: save_file(t, str(tmp), metadata={"meta": json.dumps(meta, sort_keys=True)}))
+
+
+def load_features(path: Path, meta: dict):
+    """The cached features, or None when absent or made for other settings."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        return None
+    with safe_open(str(path), "pt") as f:
+        if (f.metadata() or {}).get("meta") != json.dumps(meta, sort_keys=True):
+            return None
+    t = load_file(str(path))
+    lens = t["lengths"].tolist()
+    split = {k: t[k].split(lens) if k in t else [None] * len(lens) for k in ("taps", "hidden", "labels")}
+    return list(zip(split["taps"], split["hidden"], split["labels"]))
+
+
 class DFlashTrainer:
     """Trains fc on scaled inputs: LLM hidden states carry a few "massive" dimensions (SmolLM2's
     layers 14 and 27 reach |x| ~ 25000 where a row's RMS is ~10), so one Adam step on fc's columns
     for those dimensions swings its output wildly, and at initialisation they swamp the context
     feature after hidden_norm. Training therefore sees every tapped dimension divided by its RMS over
     a few training sequences (a fixed vector), and the saved fc.weight has that scale folded back in:
-    the checkpoint is the published format and computes exactly the trained function."""
+    the checkpoint is the published format and computes exactly the trained function.
 
-    def __init__(self, model, cfg: TrainConfig, mask_token_id: int, seqs=()):
+    `feat` arguments are one sequence's (taps, hidden, labels) from `sequence_features`."""
+
+    def __init__(self, model, cfg: TrainConfig, mask_token_id: int, feats=()):
         from .dflash import DFlashDrafter, dflash_config_for, position_weights
 
         self.model, self.cfg = model, cfg
         self.drafter = DFlashDrafter(dflash_config_for(model.config, num_layers=cfg.layers, block_size=cfg.block_size,
                                                        num_taps=cfg.taps, mask_token_id=mask_token_id))
+        # The target's final norm is where the drafter's output lands (its LM head's input): start there.
+        with torch.no_grad():
+            self.drafter.norm.weight.copy_(model.model.norm.weight)
         self.embed = model.get_input_embeddings()
         self.head = model.get_output_embeddings().weight
         self.weights = position_weights(cfg.block_size)
         self.scale = torch.ones(self.drafter.fc.in_features)
-        if seqs:
-            ids = self.drafter.config.target_layer_ids
-            sq = torch.cat([target_view(model, s, ids)[0] for s, _ in seqs[:8]]).pow(2).mean(0)
+        if feats:
+            sq = torch.cat([f[0].float() for f in feats[:8]]).pow(2).mean(0)
             self.scale = 1.0 / sq.sqrt().clamp(min=1e-3)
 
-    def _logits(self, ids, prompt_len, anchors):
+    @property
+    def layer_ids(self):
+        return self.drafter.config.target_layer_ids
+
+    def _logits(self, ids, feat, anchors, block=None, lengths=None):
         from .dflash import draft_logits
 
-        taps, _, labels = target_view(self.model, ids, self.drafter.config.target_layer_ids)
-        logits = draft_logits(self.drafter, self.embed, self.head, taps * self.scale, ids, anchors)
-        B, N = self.cfg.block_size, len(ids)
+        taps, _, labels = feat
+        logits = draft_logits(self.drafter, self.embed, self.head, taps.float() * self.scale, ids, anchors,
+                              block, lengths)
+        B, N = block or self.cfg.block_size, len(ids)
         pos = anchors.view(-1, 1) + torch.arange(1, B)  # the position each row predicts
         valid = pos <= N  # labels[p - 1] exists for p <= N
         return logits, labels[(pos - 1).clamp(max=N - 1)], valid
 
-    def loss(self, ids, prompt_len, gen):
+    def loss(self, ids, prompt_len, feat, gen):
         N = len(ids)
         lo = max(prompt_len - 1, 0)
         cand = torch.arange(lo, N)
         anchors = cand[torch.randperm(len(cand), generator=gen)[: self.cfg.anchors]].sort().values
-        logits, labels, valid = self._logits(ids, prompt_len, anchors)
+        # Each block is as long as one of the run-time block sizes, so one drafter serves them all.
+        sizes = torch.tensor(run_blocks(self.cfg.block_size))
+        lengths = sizes[torch.randint(len(sizes), (len(anchors),), generator=gen)]
+        logits, labels, valid = self._logits(ids, feat, anchors, lengths=lengths)
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none")
-        w = self.weights.view(1, -1) * valid
+        w = self.weights.view(1, -1) * valid * (torch.arange(1, self.cfg.block_size) < lengths.view(-1, 1))
         return (ce.view_as(w) * w).sum() / w.sum().clamp(min=1e-6)
 
     @torch.no_grad()
-    def accepted(self, ids, prompt_len):
-        """Per anchor with a full block inside the sequence: drafts matching the target, as a chain."""
-        B, N = self.cfg.block_size, len(ids)
+    def accepted(self, ids, prompt_len, feat, block=None):
+        """Per anchor with a full block (of `block` rows, default the trained size) inside the sequence:
+        drafts matching the target, as a chain."""
+        B, N = block or self.cfg.block_size, len(ids)
         lo, hi = max(prompt_len - 1, 0), N - B + 1
         if hi <= lo:
             return torch.zeros(0, B - 1, dtype=torch.bool)
         anchors = torch.arange(lo, hi)
         anchors = anchors[torch.linspace(0, len(anchors) - 1, min(64, len(anchors))).long()]
-        logits, labels, _ = self._logits(ids, prompt_len, anchors)
+        logits, labels, _ = self._logits(ids, feat, anchors, block)
         return logits.argmax(-1) == labels
 
     def save(self, path: Path) -> None:
@@ -263,7 +335,9 @@ class DFlashTrainer:
 
 
 class MTPTrainer:
-    def __init__(self, model, cfg: TrainConfig, mask_token_id: int, seqs=()):
+    layer_ids = ()
+
+    def __init__(self, model, cfg: TrainConfig, mask_token_id: int, feats=()):
         from .mtp import build_heads, target_parts
 
         self.model, self.cfg = model, cfg
@@ -271,23 +345,23 @@ class MTPTrainer:
         self.heads = build_heads(model, num_modules=cfg.layers, depth=self.depth)
         self.parts = target_parts(model)
 
-    def _logits(self, ids):
-        _, hidden, labels = target_view(self.model, ids, ())
-        return self.heads.forward_train(hidden[None], ids[None], **self.parts), labels
+    def _logits(self, ids, feat):
+        _, hidden, labels = feat
+        return self.heads.forward_train(hidden.float()[None], ids[None], **self.parts), labels
 
-    def loss(self, ids, prompt_len, gen):
+    def loss(self, ids, prompt_len, feat, gen):
         from .mtp import mtp_loss
 
-        logits, labels = self._logits(ids)
+        logits, labels = self._logits(ids, feat)
         return mtp_loss(logits, target_ids=labels[None])[0]
 
     @torch.no_grad()
-    def accepted(self, ids, prompt_len):
-        logits, labels = self._logits(ids)
+    def accepted(self, ids, prompt_len, feat, block=None):
         N, D = len(ids), self.depth
         lo, hi = max(prompt_len - 1, 0), N - D  # rows whose every depth has a label
         if hi <= lo:
             return torch.zeros(0, D, dtype=torch.bool)
+        logits, labels = self._logits(ids, feat)
         rows = torch.arange(lo, hi)
         return torch.stack([logits[d - 1][0, rows].argmax(-1) == labels[rows + d] for d in range(1, D + 1)], dim=1)
 
@@ -351,14 +425,26 @@ def _load_state(opt, trainer, path: Path) -> int:
     return int(t["step"])
 
 
-def evaluate(trainer, seqs) -> dict:
-    acc = torch.cat([trainer.accepted(ids, p) for ids, p in seqs])
+def run_blocks(block_size: int) -> list[int]:
+    """The run-time DFlash block sizes a drafter trained on blocks of `block_size` is trained and
+    evaluated for: 4, 8, 16, ... up to it, and itself."""
+    return sorted({b for b in (4, 8, 16, 32, 64) if b < block_size} | {block_size})
+
+
+def evaluate(trainer, seqs, feats) -> dict:
+    """Held-out greedy acceptance. `tau`: a chain of every draft of the trained block (DFlash) or depth
+    (MTP); `tau_chain{k}`: its first k drafts; `tau_block{b}` (DFlash): blocks run at size b."""
+    acc = torch.cat([trainer.accepted(ids, p, f) for (ids, p), f in zip(seqs, feats)])
     D = acc.shape[1]
     out = {"tau": round(tau_of(acc), 4), "anchors": int(acc.shape[0]),
            "per_position": [round(float(x), 4) for x in acc.float().mean(0)]}
-    for k in (1, 2, 4, 8, 16):
+    for k in (1, 2, 3, 4, 8, 16):
         if k < D:
             out[f"tau_chain{k}"] = round(tau_of(acc, k), 4)
+    if isinstance(trainer, DFlashTrainer):
+        for b in run_blocks(trainer.cfg.block_size)[:-1]:
+            short = torch.cat([trainer.accepted(ids, p, f, b) for (ids, p), f in zip(seqs, feats)])
+            out[f"tau_block{b}"] = round(tau_of(short), 4)
     return out
 
 
@@ -400,7 +486,7 @@ def smoke_target(out: Path, tokenizer):
 
 
 def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke: bool = False,
-          progress: bool = True, log=print) -> dict:
+          progress: bool = True, log=print, command: str | None = None) -> dict:
     """Train a drafter for MODEL (HF dir, .gguf, or None: the embedded SmolLM2) into output_dir.
     `smoke`: the target is a tiny random Llama over MODEL's tokenizer (saved in train/smoke-target),
     and the default config is SMOKE."""
@@ -460,9 +546,25 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
         save_sequences(seqs, data_file)
         data_meta.write_text(json.dumps(meta))
 
-    # 2. Drafter and optimizer, from the last checkpoint when resuming.
+    # 2. The target's view of every sequence, once (cached): training steps then run the drafter alone.
+    # Training features are computed and kept in bf16 where the CPU has it; held-out ones in fp32, so
+    # the held-out tau is exact.
+    from .dflash import default_layer_ids
+
+    fast = fast_dtype()
+    layer_ids = default_layer_ids(target.config.num_hidden_layers, cfg.taps) if cfg.drafter == "dflash" else []
+    want_hidden = cfg.drafter == "mtp"
+    fmeta = {**meta, "drafter": cfg.drafter, "layer_ids": layer_ids, "dtype": str(fast)}
+    feats = load_features(work / "features.safetensors", fmeta)
+    if feats is None:
+        feats = sequence_features(target, seqs, layer_ids, want_hidden, cfg.labels == "regenerate", fast, progress,
+                                  "target features")
+        save_features(feats, work / "features.safetensors", fmeta)
+    held_feats = sequence_features(target, held, layer_ids, want_hidden, False)
+
+    # 3. Drafter and optimizer, from the last checkpoint when resuming.
     mask = choose_mask_token(tokenizer, target.config.vocab_size)
-    trainer = (DFlashTrainer if cfg.drafter == "dflash" else MTPTrainer)(target, cfg, mask, seqs)
+    trainer = (DFlashTrainer if cfg.drafter == "dflash" else MTPTrainer)(target, cfg, mask, feats)
     opt = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, weight_decay=0.0)
     history, step = [], 0
     if resumed is not None and (work / "state.safetensors").is_file():
@@ -476,21 +578,22 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
         _save_state(opt, trainer, work / "state.safetensors", step)
         _atomic(progress_file, lambda tmp: tmp.write_text(json.dumps(
             {"config": asdict(cfg), "step": step, "sequences": len(seqs), "held_out": len(held),
-             "mask_token_id": mask, "history": history}, indent=1)))
+             "mask_token_id": mask, "compute_dtype": str(fast or torch.float32), "history": history}, indent=1)))
         plot_curve(history, work / "curve.png")
 
     if step == 0:
-        history.append({"step": 0, "eval": evaluate(trainer, held)})
+        history.append({"step": 0, "eval": evaluate(trainer, held, held_feats)})
         checkpoint(0)
     bar = tqdm(range(step, cfg.steps), desc=f"train {cfg.drafter}", unit="step", disable=not progress,
                initial=step, total=cfg.steps)
     t0, running = time.perf_counter(), None
     for step in bar:
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # a resumed run draws the same data
-        ids, plen = seqs[int(torch.randint(len(seqs), (1,), generator=gen))]
+        i = int(torch.randint(len(seqs), (1,), generator=gen))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        loss = trainer.loss(ids, plen, gen)
+        with torch.autocast("cpu", dtype=fast, enabled=fast is not None):  # fp32 master weights
+            loss = trainer.loss(*seqs[i], feats[i], gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(trainer.parameters()), cfg.clip)
@@ -499,7 +602,7 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
         done = step + 1
         entry = {"step": done, "loss": round(float(loss), 4)}
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            entry["eval"] = evaluate(trainer, held)
+            entry["eval"] = evaluate(trainer, held, held_feats)
             bar.set_postfix(loss=f"{running:.3f}", tau=entry["eval"]["tau"])
         else:
             bar.set_postfix(loss=f"{running:.3f}")
@@ -508,6 +611,12 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
             checkpoint(done)
     bar.close()
     final = next((h["eval"] for h in reversed(history) if "eval" in h), None)
-    return {"output": str(out), "drafter": cfg.drafter, "steps": cfg.steps, "sequences": len(seqs),
-            "held_out": len(held), "train_s": round(time.perf_counter() - t0, 1), "eval": final,
-            "smoke_target": str(work / "smoke-target") if smoke else None}
+    res = {"output": str(out), "drafter": cfg.drafter, "steps": cfg.steps, "sequences": len(seqs),
+           "held_out": len(held), "train_s": round(time.perf_counter() - t0, 1), "eval": final,
+           "smoke_target": str(work / "smoke-target") if smoke else None}
+    # Beside the weights: what produced them, so a copied (shipped) drafter still says how it was trained.
+    summary = {"command": command, "config": asdict(cfg), "step": cfg.steps, "sequences": len(seqs),
+               "held_out": len(held), "compute_dtype": str(fast or torch.float32), "eval": final,
+               "finished": time.strftime("%Y-%m-%d"), "last_session_train_s": res["train_s"]}
+    _atomic(out / "training.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=1)))
+    return res

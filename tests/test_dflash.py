@@ -213,3 +213,20 @@ def test_step_module_runs_shorter_blocks(target):
     assert drafts.tolist() == ref.tolist() and len(drafts) == 2
     with pytest.raises(SpeccError, match="blocks of 2 to 5"):
         DFlashStep(d, emb, head, cache_len=32, block_size=6)
+
+
+@torch.no_grad()
+def test_shortened_training_blocks_equal_run_time_blocks(target):
+    """Training on blocks of B with per-block lengths scores, for a block of length b, exactly the
+    drafts an engine running blocks of b makes: draft_logits(block_size=b), and DFlashStep(block_size=b)."""
+    d = random_drafter(target, layers=2, block=6, seed=4)
+    tokens = torch.randint(0, 64, (30,), generator=torch.Generator().manual_seed(5))
+    taps = taps_of(target, tokens.tolist(), d.config.target_layer_ids)
+    emb, head = target.model.embed_tokens, target.lm_head.weight
+    anchors, lengths = torch.tensor([8, 13, 20]), torch.tensor([3, 6, 2])
+    mixed = draft_logits(d, emb, head, taps, tokens, anchors, lengths=lengths)
+    for j, (a, b) in enumerate(zip(anchors.tolist(), lengths.tolist())):
+        alone = draft_logits(d, emb, head, taps, tokens, anchors[j:j + 1], block_size=b)[0]
+        torch.testing.assert_close(mixed[j, : b - 1], alone, rtol=1e-4, atol=1e-4)
+        step = DFlashStep(d, emb, head, cache_len=40, block_size=b)
+        assert step(taps[:a], torch.tensor(0), torch.tensor(a), tokens[a]).tolist() == alone.argmax(-1).tolist()

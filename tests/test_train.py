@@ -116,13 +116,16 @@ def _smoke():
 def test_accepted_on_sequences_too_short_for_a_block():
     """A held-out response shorter than a block gives no anchors rather than an error."""
     from tiny import tiny_model
-    from specc.train import DFlashTrainer, MTPTrainer
+    from specc.train import DFlashTrainer, MTPTrainer, sequence_features
 
     model = tiny_model("llama", vocab=64, layers=2, seed=0)
     for cls in (DFlashTrainer, MTPTrainer):
         tr = cls(model, TrainConfig(drafter="dflash" if cls is DFlashTrainer else "mtp", block_size=4, taps=2), 3)
-        assert tr.accepted(torch.arange(6), 5).shape == (0, 3)  # 1 response token, block of 4
-        assert tr.accepted(torch.arange(20), 5).shape[1] == 3
+        for n, rows in ((6, 0), (20, 13)):  # 1 response token (block of 4), then 15
+            ids = torch.arange(n)
+            (feat,) = sequence_features(model, [(ids, 5)], tr.layer_ids, True, True)
+            acc = tr.accepted(ids, 5, feat)
+            assert acc.shape[1] == 3 and (acc.shape[0] == 0) == (rows == 0)
 
 
 def test_saved_drafter_folds_the_input_scale(tmp_path):
@@ -130,20 +133,22 @@ def test_saved_drafter_folds_the_input_scale(tmp_path):
     published-format checkpoint computes exactly what was trained, and loading it to resume unfolds it."""
     from tiny import tiny_model
     from specc.dflash import draft_logits, load_dflash
-    from specc.train import DFlashTrainer, target_view
+    from specc.dflash import default_layer_ids
+    from specc.train import DFlashTrainer, sequence_features, target_view
 
     model = tiny_model("llama", vocab=64, layers=4, seed=1)
     seqs = [(torch.randint(0, 64, (30,), generator=torch.Generator().manual_seed(i)), 10) for i in range(3)]
-    tr = DFlashTrainer(model, TrainConfig(block_size=4, taps=2), 3, seqs)
+    feats = sequence_features(model, seqs, default_layer_ids(4, 2), False, True)
+    tr = DFlashTrainer(model, TrainConfig(block_size=4, taps=2), 3, feats)
     assert not torch.allclose(tr.scale, torch.ones_like(tr.scale))
     ids, anchors = seqs[0][0], torch.tensor([10, 15, 20])
-    trained = tr._logits(ids, 10, anchors)[0]
+    trained = tr._logits(ids, feats[0], anchors)[0]
     tr.save(tmp_path / "d")
     loaded = load_dflash(tmp_path / "d")
     taps = target_view(model, ids, loaded.config.target_layer_ids)[0]
     plain = draft_logits(loaded, model.model.embed_tokens, model.lm_head.weight, taps, ids, anchors)
     torch.testing.assert_close(plain, trained, rtol=1e-4, atol=1e-4)
-    again = DFlashTrainer(model, TrainConfig(block_size=4, taps=2), 3, seqs)
+    again = DFlashTrainer(model, TrainConfig(block_size=4, taps=2), 3, feats)
     again.load(tmp_path / "d")
     torch.testing.assert_close(again.drafter.fc.weight, tr.drafter.fc.weight)
 
@@ -167,3 +172,26 @@ def test_train_bad_input(tmp_path, case):
     else:
         assert "refusing to overwrite" in proc.stderr
         assert out.read_text() == "precious" if out.is_file() else sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_sequence_features_labels_and_cache(tmp_path):
+    """Regenerated responses label each position with its own next token (the greedy choice); the
+    prompt keeps the forward's argmax. The cache round-trips and is ignored when made for other settings."""
+    from tiny import tiny_model
+    from specc.train import load_features, save_features, sequence_features, target_view
+
+    model = tiny_model("llama", vocab=64, layers=4, seed=2)
+    seqs = [(torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)), 5) for n in (12, 20)]
+    feats = sequence_features(model, seqs, [1, 2], True, regenerated=True)
+    for (ids, plen), (taps, hidden, labels) in zip(seqs, feats):
+        ref_taps, ref_hidden, argmax = target_view(model, ids, [1, 2])
+        assert torch.equal(labels[plen - 1: -1], ids[plen:])
+        assert torch.equal(labels[: plen - 1], argmax[: plen - 1]) and labels[-1] == argmax[-1]
+        torch.testing.assert_close(taps, ref_taps)
+        torch.testing.assert_close(hidden, ref_hidden)
+    meta = {"layer_ids": [1, 2], "dtype": "None"}
+    save_features(feats, tmp_path / "f.safetensors", meta)
+    back = load_features(tmp_path / "f.safetensors", meta)
+    assert all(torch.equal(a, b) for fa, fb in zip(feats, back) for a, b in zip(fa, fb))
+    assert load_features(tmp_path / "f.safetensors", {**meta, "layer_ids": [0, 1]}) is None
+    assert load_features(tmp_path / "missing.safetensors", meta) is None

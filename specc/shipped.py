@@ -1,0 +1,31 @@
+"""Drafters trained by `specc train` for the embedded SmolLM2-135M-Instruct and shipped with specc.
+
+Each directory under specc/assets holds the drafter in its published format and `training.json`
+(the exact command, the configuration and the held-out evaluation at the end of training).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ASSETS = Path(__file__).parent / "assets"
+SHIPPED = {"dflash": "smollm2-135m-dflash", "mtp": "smollm2-135m-mtp"}
+
+
+def shipped_drafter(kind: str) -> Path | None:
+    """The shipped drafter directory of this kind for the embedded SmolLM2, or None."""
+    path = ASSETS / SHIPPED[kind] if kind in SHIPPED else None
+    return path if path is not None and (path / "config.json").is_file() else None
+
+
+def training_summary(path) -> dict | None:
+    """What trained a drafter directory: its shipped training.json, or the progress of a `specc train` run."""
+    path = Path(path)
+    if (path / "training.json").is_file():
+        return json.loads((path / "training.json").read_text())
+    progress = path / "train" / "progress.json"
+    if progress.is_file():
+        prog = json.loads(progress.read_text())
+        return {"config": prog["config"], "step": prog["step"], "sequences": prog["sequences"],
+                "eval": next((h["eval"] for h in reversed(prog["history"]) if "eval" in h), {})}
+    return None
