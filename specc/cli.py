@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--drafter", default="none", help="none | ngram | draft-model | dflash | mtp (dspark: later)")
     c.add_argument("--drafter-path", default=None,
                    help="draft model directory or .gguf (draft-model); DFlash drafter directory (dflash); "
-                        "MTP checkpoint, DeepSeek-V3 or Qwen3-Next layout (mtp)")
+                        "MTP checkpoint, DeepSeek-V3 or Qwen3-Next layout (mtp). dflash and mtp on the embedded "
+                        "SmolLM2 default to the drafters shipped with specc")
     c.add_argument("--block-size", type=int, default=None,
                    help="dflash: run on blocks of this size (at most the trained one; default: the trained one)")
     c.add_argument("--drafter-layers", type=int, default=None,
@@ -222,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--drafter", required=True, choices=["mtp", "dflash", "dspark"])
     t.add_argument("-o", "--output", required=True, help="run directory; the same command resumes a stopped run")
     t.add_argument("--layers", type=int, help="DFlash layers / MTP modules (default 1)")
-    t.add_argument("--block-size", type=int, dest="block_size", help="DFlash block size / MTP depth + 1 (default 16)")
+    t.add_argument("--block-size", type=int, dest="block_size",
+                   help="DFlash block size / MTP depth + 1 (default 16 for dflash, 5 for mtp)")
     t.add_argument("--taps", type=int, help="DFlash: target layers to condition on (default 3)")
     t.add_argument("--labels", choices=["regenerate", "data"], help="sequences: the target's own responses "
                    "(default) or the dataset's")

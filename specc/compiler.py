@@ -20,12 +20,13 @@ from . import __version__
 from .backends import EagerGraph, InductorGraph, check_backend, compile_inductor
 from .capture import TargetModule, capture, causal_mask, sliding_window_limit
 from .dflash import DFlashStep, check_fits, load_dflash, save_dflash
-from .drafters import DFlashDrafterRuntime, DraftModelDrafter, MTPDrafterRuntime, NgramDrafter, check_drafter
+from .drafters import DraftModelDrafter, HiddenStateDrafter, NgramDrafter, check_drafter
 from .errors import SpeccError
 from .models import load_model, parse_dtype, sha256_file
 from .mtp import MTPStep, check_engine_heads, load_mtp, save_deepseek_v3
 from .pipeline import Pipeline, example_inputs
 from .runtime import Engine
+from .shipped import shipped_drafter
 from .tree import Tree, chain, parse_tree, tree_from_paths
 from specc.passes.compact_kv import compact_kv
 from specc.passes.matvec import matvec
@@ -158,6 +159,8 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
         raise SpeccError("--drafter-layers only applies to --drafter draft-model.")
     if drafter in ("ngram", "draft-model", "dflash", "mtp") and not tr.is_chain:
         raise SpeccError(f"the {drafter} drafter proposes a chain in this version; use --tree chain:K.")
+    if drafter in ("dflash", "mtp") and drafter_path is None and model is None:
+        drafter_path = shipped_drafter(drafter)  # trained for the embedded SmolLM2 and shipped with specc
     dflash = None
     if drafter == "dflash":
         if drafter_path is None:
@@ -365,10 +368,9 @@ def load(path, check_hashes: bool = True) -> Engine:
         drafter = NgramDrafter(tr, dr.get("max_ngram", 4), dr.get("min_ngram", 3))
     elif dr["kind"] == "draft-model":
         drafter = DraftModelDrafter(tr, graphs["draft_prefill"], graphs["draft_step"], chunk)
-    elif dr["kind"] == "dflash":
-        drafter = DFlashDrafterRuntime(tr, graphs["dflash_prefill"], graphs["dflash_step"], chunk)
-    elif dr["kind"] == "mtp":
-        drafter = MTPDrafterRuntime(tr, graphs["mtp_prefill"], graphs["mtp_step"], chunk)
+    elif dr["kind"] in ("dflash", "mtp"):
+        k = dr["kind"]
+        drafter = HiddenStateDrafter(k, tr, graphs[f"{k}_prefill"], graphs[f"{k}_step"], chunk)
     return Engine(manifest, graphs, tokenizer, drafter, tr, path=path)
 
 

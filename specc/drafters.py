@@ -101,94 +101,54 @@ class DraftModelDrafter:
         self.cached = self.pending + min(n_accepted, self.k - 1)
 
 
-class DFlashDrafterRuntime:
-    """Feeds the target's tapped hidden states of committed tokens into the DFlash graphs' context
-    cache and drafts a block after the last committed token (the anchor)."""
+class HiddenStateDrafter:
+    """The runtime side of drafters conditioned on the target's hidden states (DFlash, MTP).
 
-    kind = "dflash"
+    The target's step graph returns the hidden rows the drafter needs (its taps) for the committed
+    tokens; they wait here until the next proposal flushes them through the drafter's graphs in
+    padded pieces: `prefill_graph` takes `chunk` rows (a prompt), `step_graph` the tree's size (one
+    step's commits). The last call drafts after the last committed token, whose own hidden row does
+    not exist yet: every committed token but the last has its row."""
+
     needs_taps = True
 
-    def __init__(self, tree: Tree, prefill_graph, step_graph, chunk: int):
+    def __init__(self, kind: str, tree: Tree, prefill_graph, step_graph, chunk: int):
         if not tree.is_chain:
-            raise SpeccError("the dflash drafter proposes a chain in this version; use --tree chain:K.")
-        self.k = tree.size - 1
-        self.chunk, self.prefill_graph = chunk, prefill_graph  # rows per call, and its graph
+            raise SpeccError(f"the {kind} drafter proposes a chain in this version; use --tree chain:K.")
+        self.kind, self.k = kind, tree.size - 1
+        self.chunk, self.prefill_graph = chunk, prefill_graph
         self.step_rows, self.step_graph = tree.size, step_graph
 
     def start(self, prompt_ids: list[int], temperature, top_p) -> None:
-        self.pending: list[torch.Tensor] = []  # context rows not yet in the drafter's cache
+        self.pending: list[torch.Tensor] = []  # rows not yet in the drafter's cache
         self.pending_start = 0  # position of the first pending row
 
     def add_rows(self, rows: torch.Tensor, start: int) -> None:
-        """rows [n, L*H]: the taps of committed tokens at positions start..start+n-1."""
+        """rows [n, width]: the hidden rows of committed tokens at positions start..start+n-1."""
         if not self.pending:
             self.pending_start = start
         self.pending.append(rows)
 
-    def propose(self, committed: list[int]) -> tuple[list[int], bool]:
-        rows = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
-        start, n = self.pending_start, rows.shape[0]
-        assert start + n == len(committed) - 1, "every committed token but the anchor has its context row"
-        drafts = None
-        done = 0
-        while done < n:  # the last call's block is the one that counts
-            R, graph = ((self.step_rows, self.step_graph) if n - done <= self.step_rows
-                        else (self.chunk, self.prefill_graph))
-            piece = rows[done: done + R]
-            m = piece.shape[0]
-            if m < R:
-                piece = torch.cat((piece, piece.new_zeros(R - m, piece.shape[1])))
-            pos = start + done
-            drafts = graph(piece, torch.tensor(pos), torch.tensor(m), torch.tensor(committed[pos + m]))
-            done += m
-        self.pending = []
-        return drafts[: self.k].tolist(), True
-
-    def accepted(self, committed: list[int], n_accepted: int) -> None:
-        pass
-
-
-class MTPDrafterRuntime:
-    """Feeds the target's post-final-norm hidden of committed tokens, each beside the token after it,
-    into the MTP graphs' cache, and drafts a chain recursively after the last committed token."""
-
-    kind = "mtp"
-    needs_taps = True
-
-    def __init__(self, tree: Tree, prefill_graph, step_graph, chunk: int):
-        if not tree.is_chain:
-            raise SpeccError("the mtp drafter proposes a chain in this version; use --tree chain:K.")
-        self.k = tree.size - 1
-        self.chunk, self.prefill_graph = chunk, prefill_graph  # rows per call, and its graph
-        self.step_rows, self.step_graph = tree.size, step_graph
-
-    def start(self, prompt_ids: list[int], temperature, top_p) -> None:
-        self.pending: list[torch.Tensor] = []  # hidden rows not yet in the drafter's cache
-        self.pending_start = 0  # position of the first pending row
-
-    def add_rows(self, rows: torch.Tensor, start: int) -> None:
-        """rows [n, H]: the target's final hidden of committed tokens at positions start..start+n-1."""
-        if not self.pending:
-            self.pending_start = start
-        self.pending.append(rows)
+    def _call(self, graph, piece, m: int, pos: int, R: int, committed: list[int]):
+        if self.kind == "dflash":  # (taps, ctx_start, n_ctx, anchor): the block starts at the token after them
+            return graph(piece, torch.tensor(pos), torch.tensor(m), torch.tensor(committed[pos + m]))
+        # mtp: (hidden, next tokens, ctx_start, n_ctx): row p pairs with the token at p + 1
+        nxt = committed[pos + 1: pos + m + 1] + [0] * (R - m)
+        return graph(piece, torch.tensor(nxt, dtype=torch.int64), torch.tensor(pos), torch.tensor(m))
 
     def propose(self, committed: list[int]) -> tuple[list[int], bool]:
         rows = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
         start, n = self.pending_start, rows.shape[0]
-        # Row p pairs with committed[p + 1]: the last committed token has no hidden yet.
         assert start + n == len(committed) - 1, "every committed token but the last has its hidden row"
-        drafts = None
-        done = 0
+        drafts, done = None, 0
         while done < n:  # the last call's drafts are the ones that count
             R, graph = ((self.step_rows, self.step_graph) if n - done <= self.step_rows
                         else (self.chunk, self.prefill_graph))
             piece = rows[done: done + R]
             m = piece.shape[0]
-            pos = start + done
-            nxt = committed[pos + 1: pos + m + 1] + [0] * (R - m)
             if m < R:
                 piece = torch.cat((piece, piece.new_zeros(R - m, piece.shape[1])))
-            drafts = graph(piece, torch.tensor(nxt, dtype=torch.int64), torch.tensor(pos), torch.tensor(m))
+            drafts = self._call(graph, piece, m, start + done, R, committed)
             done += m
         self.pending = []
         return drafts[: self.k].tolist(), True

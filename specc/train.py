@@ -11,9 +11,10 @@ regenerated sequences (the default) a label is exactly what greedy verification 
 and the held-out tau is the exact greedy acceptance length of a chain over those sequences.
 
 Output directory: the drafter in its published format at the top (DFlash: config.json +
-model.safetensors; MTP: the DeepSeek-V3 layout), and `train/` with the sequences
-(data.safetensors), the target's features (features.safetensors), the optimizer state (state.safetensors), progress.json (config, step, loss and
-tau history) and curve.png. Running the same command again resumes from the last checkpoint.
+model.safetensors; MTP: the DeepSeek-V3 layout) with training.json (command, configuration, final
+held-out figures), and `train/` with the sequences (data.safetensors), the target's features
+(features.safetensors), the optimizer state (state.safetensors), progress.json (config, step, loss
+and tau history) and curve.png. Running the same command again resumes from the last checkpoint.
 """
 from __future__ import annotations
 
@@ -37,14 +38,14 @@ DRAFTERS = ("dflash", "mtp")
 class TrainConfig:
     drafter: str = "dflash"
     layers: int = 1  # DFlash decoder layers; MTP modules
-    block_size: int = 16  # DFlash block (B - 1 drafts); MTP: depth
+    block_size: int | None = None  # DFlash block (B - 1 drafts; default 16); MTP: depth + 1 (default 5)
     taps: int = 3  # DFlash target layers
     labels: str = "regenerate"  # "regenerate" | "data"
     prompts: int = 1000  # training sequences
     eval_prompts: int = 24  # held-out sequences (ShareGPT too, disjoint from training)
     max_prompt_len: int = 256
     response_len: int = 192
-    gen_batch: int = 16
+    gen_batch: int = 32  # 170 tokens/s here (16: 119)
     steps: int = 2000
     anchors: int = 64  # DFlash blocks per sequence per step
     lr: float = 6e-4
@@ -53,6 +54,10 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 200
     checkpoint_every: int = 100
+
+    def __post_init__(self):
+        if self.block_size is None:
+            self.block_size = 5 if self.drafter == "mtp" else 16
 
     def check(self) -> None:
         if self.drafter not in DRAFTERS:

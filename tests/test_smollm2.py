@@ -58,3 +58,15 @@ def test_greedy_identical_to_hf(reference, tmp_path, backend, drafter, tree):
                          max_len=512, progress=False, **kw)
     check_engine(path, reference, drafter != "none")
 
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "mtp"])
+def test_shipped_drafters_greedy_identical_to_hf(reference, tmp_path, drafter):
+    """The drafters trained by `specc train` and shipped for SmolLM2 (the compile default for the
+    embedded model): token-identical to HF, and accepted often enough to save verify passes."""
+    from specc.shipped import shipped_drafter
+
+    assert shipped_drafter(drafter) is not None, f"the shipped {drafter} drafter is missing from specc/assets"
+    path = specc.compile(None, drafter=drafter, backend="eager", output_dir=tmp_path / "engine", max_len=512,
+                         progress=False)
+    check_engine(path, reference, speculative=True)
