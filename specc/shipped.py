@@ -29,3 +29,31 @@ def training_summary(path) -> dict | None:
         return {"config": prog["config"], "step": prog["step"], "sequences": prog["sequences"],
                 "eval": next((h["eval"] for h in reversed(prog["history"]) if "eval" in h), {})}
     return None
+
+
+def ship(run_dir, kind: str, dtype: str = "float32") -> Path:
+    """Copy a finished `specc train` run's drafter (weights, config, training.json) into specc/assets,
+    optionally storing the weights in a smaller dtype (the engine casts them back to its own)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    run_dir, dest = Path(run_dir), ASSETS / SHIPPED[kind]
+    summary = json.loads((run_dir / "training.json").read_text())
+    if summary["config"]["drafter"] != kind:
+        raise SystemExit(f"{run_dir} holds a {summary['config']['drafter']} drafter, not {kind}.")
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in run_dir.glob("*.safetensors"):
+        tensors = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in load_file(str(f)).items()}
+        save_file(tensors, str(dest / f.name))
+    shutil.copy(run_dir / "config.json", dest / "config.json")
+    summary["shipped_dtype"] = dtype
+    (dest / "training.json").write_text(json.dumps(summary, indent=1))
+    return dest
+
+
+if __name__ == "__main__":  # python -m specc.shipped RUN_DIR dflash|mtp [DTYPE]
+    import sys
+
+    print(ship(*sys.argv[1:]))

@@ -195,3 +195,28 @@ def test_sequence_features_labels_and_cache(tmp_path):
     assert all(torch.equal(a, b) for fa, fb in zip(feats, back) for a, b in zip(fa, fb))
     assert load_features(tmp_path / "f.safetensors", {**meta, "layer_ids": [0, 1]}) is None
     assert load_features(tmp_path / "missing.safetensors", meta) is None
+
+
+def test_ship_copies_a_run_into_the_assets(tmp_path, monkeypatch):
+    """`python -m specc.shipped RUN KIND DTYPE`: weights (cast), config and training.json land in the
+    assets directory that compile's default path reads; a run of another drafter kind is refused."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    import specc.shipped as shipped
+
+    monkeypatch.setattr(shipped, "ASSETS", tmp_path / "assets")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
+    (run / "training.json").write_text(json.dumps({"config": {"drafter": "dflash"}, "command": "specc train"}))
+    save_file({"fc.weight": torch.randn(4, 6), "ids": torch.arange(3)}, str(run / "model.safetensors"))
+    assert shipped.shipped_drafter("dflash") is None
+    dest = shipped.ship(run, "dflash", "bfloat16")
+    assert shipped.shipped_drafter("dflash") == dest
+    w = load_file(str(dest / "model.safetensors"))
+    assert w["fc.weight"].dtype == torch.bfloat16 and w["ids"].dtype == torch.int64
+    assert shipped.training_summary(dest)["shipped_dtype"] == "bfloat16"
+    with pytest.raises(SystemExit, match="not mtp"):
+        shipped.ship(run, "mtp")
