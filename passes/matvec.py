@@ -1,10 +1,10 @@
 """Pass `matvec`: a linear layer applied to a few rows becomes a multiply and a row sum.
 
 Why: on this CPU, MKL's sgemv streams a weight at 16-22 GB/s, while Inductor compiles
-`(x[..., None, :] * w).sum(-1)` over a contiguous [out, in] weight into one vectorised reduction
-loop that reads it at the speed of a plain sum (about 43 GB/s; BENCHMARKS.md, "matvec"). The
-loop reads the weight once per row, so it only pays for a handful of rows: larger products stay
-GEMMs. The eager backend keeps `linear`, since there the product would be materialised.
+`(x_r * w).sum(-1)` over a contiguous [out, in] weight into one vectorised reduction loop that
+reads it at the speed of a plain sum (about 43 GB/s; BENCHMARKS.md, "matvec"). The multiply-adds
+grow with the rows while the weight traffic does not, so it only pays for a handful of rows:
+larger products stay GEMMs. The eager backend keeps `linear`, since there the product would be materialised.
 """
 from __future__ import annotations
 
@@ -18,26 +18,38 @@ MAX_ROWS = 5  # measured: the reduction beats sgemm up to 5 rows of SmolLM2's sh
 
 
 def matvec(ep: torch.export.ExportedProgram, max_rows: int = MAX_ROWS) -> torch.export.ExportedProgram:
-    """Invariant: every `aten.linear` whose input has at most `max_rows` rows is replaced by
-    unsqueeze -> mul -> sum(-1) (+ bias); values are equal up to the order of the float sum.
-    Nothing else in the graph changes, nor the signature."""
+    """Invariant: every `aten.linear` whose input has at most `max_rows` rows is replaced by one
+    multiply and sum over the last dimension per row, stacked (+ bias); values are equal up to the
+    order of the float sum. Nothing else in the graph changes, nor the signature.
+
+    One [out, in] reduction per row, all over the same weight: Inductor fuses reductions with equal
+    loop ranges into one loop over weight rows (in parallel) and the input dimension (vectorised),
+    and loads each weight element once for all of them. A single [rows, out, in] product instead
+    streams the weight once per row and splits the threads over the rows."""
     g = ep.graph_module.graph
     for node in list(g.nodes):
         if node.op != "call_function" or node.target is not aten.linear.default:
             continue
         x, w = node.args[0], node.args[1]
         b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        x_val = x.meta["val"]
-        if math.prod(x_val.shape[:-1]) > max_rows:
+        shape = list(x.meta["val"].shape)
+        rows, n = math.prod(shape[:-1]), w.meta["val"].shape[0]
+        if rows > max_rows:
             continue
         with g.inserting_before(node):
-            xu = g.call_function(aten.unsqueeze.default, (x, -2))
-            prod = g.call_function(aten.mul.Tensor, (xu, w))
-            out = g.call_function(aten.sum.dim_IntList, (prod, [-1]))
+            new = [g.call_function(aten.view.default, (x, [rows, shape[-1]]))]
+            sums = []
+            for r in range(rows):
+                new.append(g.call_function(aten.select.int, (new[0], 0, r)))
+                new.append(g.call_function(aten.mul.Tensor, (w, new[-1])))
+                new.append(g.call_function(aten.sum.dim_IntList, (new[-1], [-1])))
+                sums.append(new[-1])
+            new.append(g.call_function(aten.stack.default, (sums, 0)))
+            new.append(g.call_function(aten.view.default, (new[-1], shape[:-1] + [n])))
             if b is not None:
-                out = g.call_function(aten.add.Tensor, (out, b))
-        _propagate_meta([xu, prod, out] if b is None else [xu, prod, out.args[0], out])
-        node.replace_all_uses_with(out)
+                new.append(g.call_function(aten.add.Tensor, (new[-1], b)))
+        _propagate_meta(new)
+        node.replace_all_uses_with(new[-1])
         g.erase_node(node)
     g.lint()
     ep.graph_module.recompile()

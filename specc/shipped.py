@@ -31,21 +31,29 @@ def training_summary(path) -> dict | None:
     return None
 
 
-def ship(run_dir, kind: str, dtype: str = "float32") -> Path:
-    """Copy a finished `specc train` run's drafter (weights, config, training.json) into specc/assets,
-    optionally storing the weights in a smaller dtype (the engine casts them back to its own)."""
+def ship(run_dir, kind: str, dtype: str = "float32", command: str | None = None) -> Path:
+    """Copy a `specc train` run's drafter (weights, config, training.json) into specc/assets,
+    optionally storing the weights in a smaller dtype (the engine casts them back to its own). A run
+    stopped before its last step ships its last checkpoint, marked unfinished (`command` then says
+    what was run: rerunning it resumes)."""
     import shutil
 
     import torch
     from safetensors.torch import load_file, save_file
 
     run_dir, dest = Path(run_dir), ASSETS / SHIPPED[kind]
-    summary = json.loads((run_dir / "training.json").read_text())
+    summary = training_summary(run_dir)
+    if summary is None:
+        raise SystemExit(f"{run_dir} is not a specc training run.")
+    if not (run_dir / "training.json").is_file():
+        summary.update(command=command, finished=False)
     if summary["config"]["drafter"] != kind:
         raise SystemExit(f"{run_dir} holds a {summary['config']['drafter']} drafter, not {kind}.")
     dest.mkdir(parents=True, exist_ok=True)
     for f in run_dir.glob("*.safetensors"):
-        tensors = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in load_file(str(f)).items()}
+        # MTP checkpoints may carry copies of the target's embedding and head: the engine uses the target's own.
+        tensors = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in load_file(str(f)).items()
+                   if not k.endswith(("shared_head.head.weight", "embed_tokens.weight"))}
         save_file(tensors, str(dest / f.name))
     shutil.copy(run_dir / "config.json", dest / "config.json")
     summary["shipped_dtype"] = dtype
