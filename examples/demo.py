@@ -31,13 +31,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--drafter", default="dflash", help="dflash (default) and mtp use the drafters shipped for SmolLM2")
-    ap.add_argument("--tree", default=None, help="default: the drafter's default chain")
+    ap.add_argument("--tree", default=None, help="default: chain:3 for dflash, else the drafter's default chain")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="dflash run-time block (default 4: the fastest measured on 2 CPU cores, BENCHMARKS.md)")
     ap.add_argument("--max-new-tokens", type=int, default=160)
     ap.add_argument("-o", "--output", default="engines/demo")
     a = ap.parse_args()
 
     t0 = time.perf_counter()
-    path = specc.compile(None, drafter=a.drafter, tree=a.tree, backend=a.backend, output_dir=a.output, max_len=1024)
+    if a.drafter == "dflash":
+        a.block_size, a.tree = a.block_size or 4, a.tree or "chain:3"
+    path = specc.compile(None, drafter=a.drafter, tree=a.tree, backend=a.backend, output_dir=a.output, max_len=1024,
+                         block_size=a.block_size)
     print(f"compiled in {time.perf_counter() - t0:.0f} s -> {path}", file=sys.stderr)
     engine = specc.load(path)
     engine.generate(PROMPT, max_new_tokens=8, chat=True)  # warm-up
