@@ -36,8 +36,9 @@ from specc.passes.verify import verify
 
 FORMAT_VERSION = 1
 MANIFEST = "specc.json"
+# mtp chain:1: the fastest of chain:1..4 with the shipped SmolLM2 heads (BENCHMARKS.md, 2026-11-30).
 DEFAULT_TREE = {"none": "chain:0", "ngram": "chain:4", "draft-model": "chain:4", "dflash": "chain:4",
-                "mtp": "chain:2"}
+                "mtp": "chain:1"}
 
 
 @dataclass

@@ -42,6 +42,8 @@ def ship(run_dir, kind: str, dtype: str = "float32", command: str | None = None)
     from safetensors.torch import load_file, save_file
 
     run_dir, dest = Path(run_dir), ASSETS / SHIPPED[kind]
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise SystemExit(f"dtype {dtype!r}: use float32, bfloat16 or float16.")
     summary = training_summary(run_dir)
     if summary is None:
         raise SystemExit(f"{run_dir} is not a specc training run.")
@@ -61,7 +63,9 @@ def ship(run_dir, kind: str, dtype: str = "float32", command: str | None = None)
     return dest
 
 
-if __name__ == "__main__":  # python -m specc.shipped RUN_DIR dflash|mtp [DTYPE]
+if __name__ == "__main__":
     import sys
 
+    if len(sys.argv) not in (3, 4) or sys.argv[2] not in SHIPPED:
+        raise SystemExit("usage: python -m specc.shipped RUN_DIR dflash|mtp [float32|bfloat16]")
     print(ship(*sys.argv[1:]))
