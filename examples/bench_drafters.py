@@ -5,10 +5,11 @@ embedded SmolLM2, on HumanEval and MT-Bench prompts (greedy, a fixed number of n
 template on), each against plain decoding through the same engine and against HF generate(). Also
 prints each drafter's held-out tau from its training run, for comparison with the tau measured here.
 
-Usage: python examples/bench_drafters.py [--configs dflash:4:3,dflash:8:7,dflash:16:15,mtp:1,mtp:2]
+Usage: python examples/bench_drafters.py [--configs dflash@4=chain:3,dflash=sequoia:8,mtp=chain:1]
            [--dflash DIR] [--mtp DIR] [--limit 5] [--max-new-tokens 256] [--out BENCHMARKS.md]
-Config items: dflash:BLOCK:CHAIN or mtp:CHAIN. Without --dflash / --mtp, the drafters shipped with
-specc for SmolLM2 are used.
+Config items: dflash[@BLOCK]=TREE or mtp=TREE, TREE as for `specc compile --tree` (the DFlash block
+defaults to the tree's depth + 1). Without --dflash / --mtp, the drafters shipped with specc for
+SmolLM2 are used.
 """
 import argparse
 import datetime
@@ -26,19 +27,20 @@ from specc.shipped import shipped_drafter, training_summary
 
 
 def parse_config(item: str):
-    parts = item.split(":")
-    if parts[0] == "dflash" and len(parts) == 3:
-        return "dflash", int(parts[1]), int(parts[2])
-    if parts[0] == "mtp" and len(parts) == 2:
-        return "mtp", None, int(parts[1])
-    raise SystemExit(f"config {item!r}: use dflash:BLOCK:CHAIN or mtp:CHAIN")
+    """KIND[@BLOCK]=TREE, e.g. dflash@4=chain:3, dflash=sequoia:8, mtp=chain:1."""
+    head, eq, tree = item.partition("=")
+    kind, at, block = head.partition("@")
+    if kind not in ("dflash", "mtp") or not eq or not tree or (at and not block.isdigit()) or (at and kind != "dflash"):
+        raise SystemExit(f"config {item!r}: use dflash[@BLOCK]=TREE or mtp=TREE (TREE as for --tree)")
+    return kind, int(block) if at else None, tree
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dflash", help="a DFlash drafter for SmolLM2 (default: the shipped one)")
     ap.add_argument("--mtp", help="MTP heads for SmolLM2 (default: the shipped ones)")
-    ap.add_argument("--configs", default="dflash:4:3,dflash:8:7,dflash:16:15,mtp:1,mtp:2,mtp:3,mtp:4")
+    ap.add_argument("--configs", default="dflash@4=chain:3,dflash@8=chain:7,dflash@16=chain:15,"
+                                         "mtp=chain:1,mtp=chain:2,mtp=chain:3,mtp=chain:4")
     ap.add_argument("--limit", type=int, default=5)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--datasets", default="humaneval,mt-bench")
@@ -50,9 +52,9 @@ def main() -> int:
     paths = {"dflash": a.dflash, "mtp": a.mtp}
 
     engines = []
-    for kind, block, k in configs:
-        name = f"{kind}-b{block}-c{k}" if block else f"{kind}-c{k}"
-        path = specc.compile(None, drafter=kind, drafter_path=paths[kind], block_size=block, tree=f"chain:{k}",
+    for kind, block, tree in configs:
+        name = f"{kind}{f'-b{block}' if block else ''}-{tree.replace(':', '')}"
+        path = specc.compile(None, drafter=kind, drafter_path=paths[kind], block_size=block, tree=tree,
                              backend="inductor", output_dir=f"{a.engines}/{name}", max_len=1024)
         engines.append(path)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import specc.kernels  # noqa: F401  (registers torch.ops.specc.compact_kv_)
 from specc.pipeline import example_inputs, retrace
 from specc.tree import Tree
 
@@ -17,11 +18,11 @@ class CompactKV(nn.Module):
 
     def forward(self, tokens, base_len, temperature, top_p, uniforms):
         n, path, out, *taps = self.inner(tokens, base_len, temperature, top_p, uniforms)
+        # Slot base_len + i receives node path[i]: an accepted node's index is at least its depth, and
+        # the padding repeats the last node, so the op's in-place precondition holds (specc/kernels/compact_kv.py).
         src = base_len + path
-        dst = base_len + torch.arange(self.depth + 1)
         for name in self.cache_names:
-            cache = self.inner.get_buffer(name)
-            cache.index_copy_(2, dst, cache.index_select(2, src))
+            torch.ops.specc.compact_kv_(self.inner.get_buffer(name), src, base_len)
         return (n, path, out, *taps)
 
 

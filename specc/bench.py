@@ -107,7 +107,8 @@ def run_bench(engine_dir, dataset: str = "mt-bench", limit: int | None = 10, max
     report = {
         "engine": str(engine_dir), "dataset": dataset, "prompts": len(fits), "skipped_too_long": len(all_ids) - len(fits),
         "max_new_tokens": max_new_tokens, "chat_template": use_chat, "backend": m["backend"],
-        "drafter": m["drafter"], "tree": m["tree"]["spec"], "model": m["target"]["name"],
+        "drafter": m["drafter"], "tree": m["tree"]["spec"], "tree_nodes": len(m["tree"]["paths"]),
+        "model": m["target"]["name"],
         "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads",
         "greedy_identical_to_ar": f"{identical}/{len(fits)}" if "ar" in runs and speculative else None,
@@ -129,7 +130,9 @@ def _fmt(x, spec=".2f"):
 def drafter_label(report: dict) -> str:
     d = report["drafter"]
     block = f" B={d['block_size']}" if "block_size" in d else ""
-    return f"{d['kind']}{block} {report['tree']}"
+    nodes = report.get("tree_nodes")
+    measured = "" if nodes is None or report["tree"].startswith("chain:") else f" ({nodes} nodes)"
+    return f"{d['kind']}{block} {report['tree']}{measured}"
 
 
 def markdown_table(report: dict) -> str:

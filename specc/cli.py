@@ -42,10 +42,14 @@ def cmd_compile(a) -> int:
     manifest = json.loads((out / "specc.json").read_text())
     if a.json:
         print(json.dumps({"engine": str(out), "backend": a.backend, "drafter": manifest["drafter"],
-                          "tree": manifest["tree"]["spec"], "graphs": manifest["graphs"]}))
+                          "tree": manifest["tree"]["spec"], "tree_report": {k: v for k, v in manifest["tree"].items()
+                                                                             if k not in ("parents", "depths")},
+                          "graphs": manifest["graphs"]}))
     else:
-        print(f"compiled {manifest['target']['name']} with drafter {a.drafter}, tree {manifest['tree']['spec']}, "
-              f"backend {a.backend} -> {out}")
+        print(f"compiled {manifest['target']['name']} with drafter {a.drafter}, tree {manifest['tree']['spec']} "
+              f"({len(manifest['tree']['paths'])} nodes), backend {a.backend} -> {out}")
+        for line in tree_report_lines(manifest["tree"]):
+            print("  " + line)
         for name, g in manifest["graphs"].items():
             print(f"  graph {name:<14} {g['tokens']:>4} tokens/call  passes: capture -> {' -> '.join(g['passes'])}")
         if a.dump_ir:
@@ -103,6 +107,25 @@ def cmd_bench(a) -> int:
     return 0
 
 
+def tree_report_lines(tree: dict) -> list[str]:
+    """What a measured tree (sequoia:BUDGET, auto) was built from, for people."""
+    lines = []
+    if "acceptance" in tree:
+        c = tree["calibration"]
+        lines.append(f"measured on {c['prompts']} calibration prompts x {c['new_tokens']} tokens ({c['steps']} steps, "
+                     f"comb depth {c['comb_depth']}, {c['width']} ranks per depth)")
+        for d, row in enumerate(tree["acceptance"], start=1):
+            lines.append(f"  depth {d}: acceptance by rank " + " ".join(f"{p:.3f}" for p in row))
+    if "expected_tokens" in tree:
+        lines.append(f"expected tokens per step {tree['expected_tokens']:.3f}")
+    for r in tree.get("candidates", []):
+        mark = "*" if r["tree"] == tree.get("picked") else " "
+        lines.append(f"{mark} {r['tree']:<12} {r['nodes']:>3} nodes  expected {r['expected_tokens']:.2f} tokens/step, "
+                     f"{r['step_ms']:.1f} ms/step -> {r['expected_tokens_per_s']:.1f} tokens/s expected, "
+                     f"{r['measured_tokens_per_s']:.1f} measured (tau {r['measured_tau']:.2f})")
+    return lines
+
+
 def cmd_inspect(a) -> int:
     from .compiler import read_manifest
     from .tree import draw_tree, tree_from_paths
@@ -118,7 +141,9 @@ def cmd_inspect(a) -> int:
     print(f"engine      {a.engine}")
     print(f"target      {t['name']} ({t['arch']}, {t['num_layers']} layers, vocab {t['vocab_size']})")
     print(f"drafter     {json.dumps(m['drafter'])}")
-    print(f"tree        {m['tree']['spec']}: {tree.size} nodes, depth {tree.max_depth}")
+    print(f"tree        {m['tree']['spec']}: {tree.size} nodes, depth {tree.max_depth}, max width {tree.max_width}")
+    for line in tree_report_lines(m["tree"]):
+        print("            " + line)
     print(f"backend     {m['backend']}, dtype {m['dtype']}, max_len {m['max_len']}, prefill chunk {m['prefill_chunk']}")
     print(f"versions    specc {m['specc_version']}, torch {m['torch_version']}, transformers {m['transformers_version']}")
     print(f"files       {len(m['files'])} (sha256 recorded)")

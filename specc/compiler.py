@@ -25,28 +25,38 @@ from .errors import SpeccError
 from .models import load_model, parse_dtype, sha256_file
 from .mtp import MTPStep, check_engine_heads, load_mtp, save_deepseek_v3
 from .pipeline import Pipeline, example_inputs
+from . import calibrate
 from .runtime import Engine
 from .shipped import shipped_drafter
 from .tree import Tree, chain, parse_tree, tree_from_paths
 from specc.passes.compact_kv import compact_kv
+from specc.passes.fuse_step import fuse_step
 from specc.passes.matvec import matvec
 from specc.passes.sample_last import sample_last
+from specc.passes.tree_attention import tree_attention
 from specc.passes.tree_inputs import tree_inputs
 from specc.passes.verify import verify
 
 FORMAT_VERSION = 1
 MANIFEST = "specc.json"
-# mtp chain:1: the fastest of chain:1..4 with the shipped SmolLM2 heads (BENCHMARKS.md, 2026-11-30).
-DEFAULT_TREE = {"none": "chain:0", "ngram": "chain:4", "draft-model": "chain:4", "dflash": "chain:4",
+# mtp chain:1 and dflash chain:3 (block 4): the fastest measured with the shipped SmolLM2 drafters
+# (BENCHMARKS.md, 2026-11-30).
+DEFAULT_TREE = {"none": "chain:0", "ngram": "chain:4", "draft-model": "chain:4", "dflash": "chain:3",
                 "mtp": "chain:1"}
 
 
 @dataclass
 class GraphPlan:
     name: str
-    module: str  # "target" | "draft" | "dflash" | "mtp": whose tensors the graph runs on
+    module: str  # "target" | "draft" | "dflash" | "mtp" | "fused": whose tensors the graph runs on
     T: int  # tokens per call
     pipeline: Pipeline
+    fuse: tuple[str, str, str] | None = None  # (verify graph, drafter graph, drafter kind) for fuse_step
+
+
+def fused_state(target_state: dict, draft_state: dict) -> dict:
+    """The tensors of a fused step graph: the target's under their own names, the drafter's as draft.<name>."""
+    return {**target_state, **{f"draft.{k}": v for k, v in draft_state.items()}}
 
 
 def graph_plans(tree: Tree, drafter: str, chunk: int, cache_len: int, backend: str = "eager") -> list[GraphPlan]:
@@ -56,7 +66,9 @@ def graph_plans(tree: Tree, drafter: str, chunk: int, cache_len: int, backend: s
         return Pipeline().add("matvec", matvec) if backend == "inductor" else Pipeline()
 
     def decode(t: Tree) -> Pipeline:
-        return (start().add("tree_inputs", lambda ep: tree_inputs(ep, t, cache_len))
+        # tree_attention: the specc op runs SDPA itself on CPU and the Triton kernel on CUDA.
+        return (start().add("tree_attention", tree_attention)
+                .add("tree_inputs", lambda ep: tree_inputs(ep, t, cache_len))
                 .add("verify", lambda ep: verify(ep, t)).add("compact_kv", lambda ep: compact_kv(ep, t)))
 
     prefill = (start().add("tree_inputs", lambda ep: tree_inputs(ep, chain(chunk - 1), cache_len))
@@ -75,11 +87,19 @@ def graph_plans(tree: Tree, drafter: str, chunk: int, cache_len: int, backend: s
         # Hidden rows of a prefill chunk, and of one step, as for dflash.
         plans.append(GraphPlan("mtp_prefill", "mtp", chunk, start()))
         plans.append(GraphPlan("mtp_step", "mtp", tree.size, start()))
+    if drafter in ("dflash", "mtp"):
+        plans.append(GraphPlan("fused", "fused", tree.size, Pipeline(), fuse=("step", f"{drafter}_step", drafter)))
     return plans
 
 
-def build_program(plan: GraphPlan, module, dump_dir: Path | None = None):
+def build_program(plan: GraphPlan, module, dump_dir: Path | None = None, built: dict | None = None,
+                  tree: Tree | None = None):
+    """Capture `module` and run the plan's passes; a fused plan instead joins two graphs already `built`."""
     T = plan.T
+    if plan.fuse is not None:
+        verify_name, draft_name, kind = plan.fuse
+        ep = fuse_step(built[verify_name], built[draft_name], kind, tree)
+        return plan.pipeline.run(ep, dump_dir=dump_dir, label=plan.name)
     if isinstance(module, DFlashStep):  # (taps [R, L*H], ctx_start, n_ctx, anchor)
         width = module.drafter.fc.in_features
         args = (torch.zeros(T, width, dtype=module.drafter.fc.weight.dtype), torch.tensor(0), torch.tensor(T),
@@ -109,9 +129,9 @@ def _drafter_model(drafter: str, drafter_path, drafter_layers, target, dtype):
     return d.model, n, {"source": "model", "layers": n, "name": d.name}
 
 
-def _mtp_step(heads, target_module: TargetModule, cache_len: int, depth: int) -> MTPStep:
+def _mtp_step(heads, target_module: TargetModule, cache_len: int, tree: Tree) -> MTPStep:
     t = target_module
-    return MTPStep(heads, t.embed_tokens, t.norm, t.w_head, t.rotary_emb, cache_len, depth)
+    return MTPStep(heads, t.embed_tokens, t.norm, t.w_head, t.rotary_emb, cache_len, tree.max_depth, tree)
 
 
 def _target_taps(entry: dict, num_layers: int) -> tuple[int, ...]:
@@ -149,7 +169,14 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
     if not 1 <= prefill_chunk <= 4096:
         raise SpeccError(f"--prefill-chunk {prefill_chunk} is out of range; use 1 to 4096.")
     tree_spec = tree or DEFAULT_TREE.get(drafter, "chain:4")
-    tr = parse_tree(tree_spec)
+    measured = calibrate.is_measured(tree_spec)
+    if measured:
+        if tree_spec.strip() != "auto":
+            parse_tree(tree_spec, acceptance=[[1.0]])  # the form and budget; the tree itself is measured below
+        if drafter not in ("ngram", "mtp", "dflash"):
+            raise SpeccError(f"--tree {tree_spec} is built from how often a drafter's ranked candidates are "
+                             f"accepted; use it with --drafter ngram, mtp or dflash.")
+    tr = chain(1) if measured else parse_tree(tree_spec)  # a measured tree replaces this before any use
     if drafter == "none" and tr.size > 1:
         raise SpeccError(f"--tree {tree_spec} needs a drafter to fill it; add --drafter ngram or draft-model.")
     if drafter != "none" and tr.size < 2:
@@ -158,7 +185,7 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
         raise SpeccError("--drafter-path only applies to --drafter draft-model, dflash or mtp.")
     if drafter != "draft-model" and drafter_layers is not None:
         raise SpeccError("--drafter-layers only applies to --drafter draft-model.")
-    if drafter in ("ngram", "draft-model", "dflash", "mtp") and not tr.is_chain:
+    if drafter == "draft-model" and not tr.is_chain:
         raise SpeccError(f"the {drafter} drafter proposes a chain in this version; use --tree chain:K.")
     if drafter in ("dflash", "mtp") and drafter_path is None and model is None:
         drafter_path = shipped_drafter(drafter)  # trained for the embedded SmolLM2 and shipped with specc
@@ -169,18 +196,36 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
                              "(config.json + safetensors), e.g. one written by `specc train`.")
         dflash = load_dflash(drafter_path, torch_dtype)
         trained = dflash.config.block_size
-        block_size = trained if block_size is None else block_size
-        if not 2 <= block_size <= trained:
+        if block_size is not None and not 2 <= block_size <= trained:
             raise SpeccError(f"--block-size {block_size} is out of range: this DFlash drafter was trained on blocks "
                              f"of {trained} and runs on blocks of 2 to {trained}.")
-        if tr.size > block_size:
-            raise SpeccError(f"--tree {tree_spec} needs {tr.size - 1} drafts, but the DFlash drafter's block of "
-                             f"{block_size} gives {block_size - 1}.")
     elif block_size is not None:
         raise SpeccError("--block-size only applies to --drafter dflash.")
     if drafter == "mtp" and drafter_path is None:
         raise SpeccError("--drafter mtp needs --drafter-path DIR, an MTP checkpoint in the DeepSeek-V3 or "
                          "Qwen3-Next layout, e.g. one written by `specc train --drafter mtp`.")
+    tree_report = None
+    if measured:
+        def build(tree_file, backend_, engine_dir):
+            compile(model, drafter, tree_file, backend_ or backend, engine_dir, drafter_path, drafter_layers, dtype,
+                    max_len, prefill_chunk, None, False, block_size)
+            return load(engine_dir)
+
+        limit = calibrate.max_depth(drafter, (block_size or dflash.config.block_size) if dflash else None)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        work = calibrate.staging(out.parent, out.name)
+        try:
+            tr, tree_report, picked = calibrate.resolve(tree_spec, drafter, build, limit, work, progress)
+            if picked is not None:  # auto compiled the winner on this backend already: keep that engine
+                return _install_picked(picked, out, tree_spec, tree_report)
+        finally:
+            calibrate.cleanup(work)
+    if drafter == "dflash":
+        # The shortest block that reaches the tree's depth: drafting cost grows with the block.
+        block_size = min(trained, max(2, tr.max_depth + 1)) if block_size is None else block_size
+        if tr.max_depth + 1 > block_size:
+            raise SpeccError(f"--tree {tree_spec} is {tr.max_depth} drafts deep, but the DFlash drafter's block of "
+                             f"{block_size} gives {block_size - 1}.")
 
     # 2. Load the models.
     target = load_model(model, torch_dtype)
@@ -207,14 +252,14 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
         draft_entry.update(info)
         draft_hf = hf if info["source"] == "model" else None
     elif drafter == "dflash":
-        draft_module = DFlashStep(dflash, target_module.embed_tokens, target_module.w_head, cache_len, block_size)
+        draft_module = DFlashStep(dflash, target_module.embed_tokens, target_module.w_head, cache_len, block_size, tr)
         c = dflash.config
         draft_entry.update({"block_size": block_size, "trained_block_size": c.block_size, "num_layers": c.num_layers,
                             "target_layer_ids": c.target_layer_ids, "mask_token_id": c.mask_token_id})
     elif drafter == "mtp":
-        draft_module = _mtp_step(heads, target_module, cache_len, tr.size - 1)
+        draft_module = _mtp_step(heads, target_module, cache_len, tr)
         c = heads.config
-        draft_entry.update({"depth": tr.size - 1, "trained_depth": c.depth, "num_modules": c.num_modules,
+        draft_entry.update({"depth": tr.max_depth, "trained_depth": c.depth, "num_modules": c.num_modules,
                             "order": c.order, "feedback": c.feedback, "has_final_norm": c.has_final_norm})
     elif drafter == "ngram":
         # min_ngram 3 measured best of 1..3 on MT-Bench and HumanEval (BENCHMARKS.md).
@@ -225,19 +270,21 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
     stage = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
         plans = graph_plans(tr, drafter, prefill_chunk, cache_len, backend)
-        graphs = {}
+        graphs, built = {}, {}
         bar = tqdm(plans, desc=f"compile ({backend})", unit="graph", disable=not progress)
         for plan in bar:
             bar.set_postfix_str(plan.name)
             module = target_module if plan.module == "target" else draft_module
-            ep = build_program(plan, module, Path(dump_ir) if dump_ir else None)
+            ep = built[plan.name] = build_program(plan, module, Path(dump_ir) if dump_ir else None, built, tr)
             args = example_inputs(ep)
-            entry = {"module": plan.module, "tokens": plan.T, "passes": plan.pipeline.names,
+            passes = ([f"fuse_step({plan.fuse[0]}, {plan.fuse[1]})"] if plan.fuse else []) + plan.pipeline.names
+            entry = {"module": plan.module, "tokens": plan.T, "passes": passes,
                      "inputs": [[list(a.shape), str(a.dtype)] for a in args], "file": None}
             if backend == "inductor":
                 (stage / "graphs").mkdir(exist_ok=True)
                 rel = f"graphs/{plan.name}.pt2"
-                entry["state_keys"] = compile_inductor(ep, module.state(), stage / rel, args)
+                state = (fused_state(target_module.state(), draft_module.state()) if plan.fuse else module.state())
+                entry["state_keys"] = compile_inductor(ep, state, stage / rel, args)
                 entry["file"] = rel
             graphs[plan.name] = entry
         bar.close()
@@ -273,7 +320,7 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
                        "num_layers": cfg.num_hidden_layers, "vocab_size": target_module.vocab_size,
                        "eos_token_ids": _eos_ids(target.model), "config": cfg.to_dict(),
                        "weights_sha256": files.get("target/model.safetensors")},
-            "drafter": draft_entry, "tree": {"spec": tree_spec, **tr.to_manifest()},
+            "drafter": draft_entry, "tree": {"spec": tree_spec, **tr.to_manifest(), **(tree_report or {})},
             "backend": backend, "dtype": str(torch_dtype).replace("torch.", ""), "max_len": max_len,
             "prefill_chunk": prefill_chunk, "cache_len": cache_len, "graphs": graphs, "files": files,
         }
@@ -290,6 +337,21 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
+    return out
+
+
+def _install_picked(picked: Path, out: Path, tree_spec: str, report: dict) -> Path:
+    """Move the engine `--tree auto` picked into place, its manifest naming the spec and the report."""
+    manifest = json.loads((picked / MANIFEST).read_text())
+    manifest["tree"].update({"spec": tree_spec, **report})
+    (picked / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+    if out.exists():
+        trash = out.parent / f".{out.name}.old-{os.getpid()}"
+        out.rename(trash)
+        picked.rename(out)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        picked.rename(out)
     return out
 
 
@@ -348,11 +410,13 @@ def load(path, check_hashes: bool = True) -> Engine:
     if dr["kind"] == "dflash":
         dflash = load_dflash(path / "draft", dtype)
         modules["dflash"] = DFlashStep(dflash, modules["target"].embed_tokens, modules["target"].w_head, cache_len,
-                                       dr["block_size"])
+                                       dr["block_size"], tr)
     if dr["kind"] == "mtp":
-        modules["mtp"] = _mtp_step(load_mtp(path / "draft", model), modules["target"], cache_len, dr["depth"])
+        modules["mtp"] = _mtp_step(load_mtp(path / "draft", model), modules["target"], cache_len, tr)
     states = {k: m.state() for k, m in modules.items()}
-    graphs = {}
+    if dr["kind"] in ("dflash", "mtp"):
+        states["fused"] = fused_state(states["target"], states[dr["kind"]])
+    graphs, built = {}, {}
     plans = {p.name: p for p in graph_plans(tr, dr["kind"], chunk, cache_len, backend)}
     for name, entry in manifest["graphs"].items():
         if name not in plans or plans[name].T != entry["tokens"]:
@@ -360,7 +424,8 @@ def load(path, check_hashes: bool = True) -> Engine:
                              f"compile the engine again.")
         state = states[entry["module"]]
         if backend == "eager":
-            graphs[name] = EagerGraph(build_program(plans[name], modules[entry["module"]]), state)
+            built[name] = build_program(plans[name], modules.get(entry["module"]), None, built, tr)
+            graphs[name] = EagerGraph(built[name], state)
         else:
             graphs[name] = InductorGraph(path / entry["file"], state, entry["state_keys"])
         graphs[name] = _checked(graphs[name], name, entry["inputs"])

@@ -84,3 +84,25 @@ def sharegpt_conversations(limit: int | None = None):
             return  # the truncated tail
         n += 1
         yield item
+
+
+# `specc train` reads ShareGPT from the start; calibration reads from here on, so the prompts a tree
+# is tuned on were never trained on (and never come from the evaluation sets).
+CALIBRATION_START = 15000
+
+
+def calibration_prompts(n: int, max_chars: int = 600) -> list[str]:
+    """n first human turns of ShareGPT conversations past CALIBRATION_START, short enough to leave
+    room for generation, skipping any that appear in MT-Bench or HumanEval."""
+    evals = {" ".join(p.split()).lower() for p in mt_bench_prompts() + humaneval_prompts()}
+    out = []
+    for i, conv in enumerate(sharegpt_conversations()):
+        if i < CALIBRATION_START:
+            continue
+        turns = conv.get("conversations") or []
+        text = (turns[0].get("value") or "").strip() if turns and turns[0].get("from") == "human" else ""
+        if text and len(text) <= max_chars and " ".join(text.split()).lower() not in evals:
+            out.append(text)
+            if len(out) == n:
+                break
+    return out

@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .drafters import draft_slots, tree_drafts
 from .errors import SpeccError
+from .tree import Tree, chain
 
 NEG_INF = -1e9
 ARCHITECTURE = "DFlashDraftModel"
@@ -364,15 +366,16 @@ def check_fits(cfg: DFlashConfig, target_config) -> None:
 class DFlashStep(nn.Module):
     """Batch-1 drafting with a static context cache, the module the compiler captures.
 
-    forward(taps [R, L*H], ctx_start [], n_ctx [], anchor []) -> drafts [B-1]: the first n_ctx
+    forward(taps [R, L*H], ctx_start [], n_ctx [], anchor []) -> drafts [T-1]: the first n_ctx
     rows of taps are the features of the committed tokens at positions ctx_start.. (padding after
     them); their K/V go into each layer's cache at slot = position. The block [anchor, MASK...] then
     sits at positions start = ctx_start + n_ctx .., sees every cached slot < start and itself, and
-    its rows 1..B-1 are argmaxed through the target's LM head. Padding rows write slots >= start,
+    its rows 1..B-1 go through the target's LM head. Tree node i takes the candidate of rank
+    ranks[i] at block position depths[i] (argmax for a chain). Padding rows write slots >= start,
     which no block sees before a later call overwrites them."""
 
     def __init__(self, drafter: DFlashDrafter, embed_tokens: nn.Module, lm_head_weight: torch.Tensor,
-                 cache_len: int, block_size: int | None = None):
+                 cache_len: int, block_size: int | None = None, tree: Tree | None = None):
         super().__init__()
         cfg = drafter.config
         # A drafter trained on blocks of B also runs on shorter ones (not the reverse).
@@ -380,6 +383,13 @@ class DFlashStep(nn.Module):
         if not 2 <= self.block_size <= cfg.block_size:
             raise SpeccError(f"a DFlash drafter trained on blocks of {cfg.block_size} runs on blocks of 2 to "
                              f"{cfg.block_size}, not {self.block_size}.")
+        tree = chain(self.block_size - 1) if tree is None else tree
+        if tree.max_depth > self.block_size - 1:
+            raise SpeccError(f"a token tree of depth {tree.max_depth} needs a DFlash block of at least "
+                             f"{tree.max_depth + 1}, not {self.block_size}.")
+        depth, rank, self.width = draft_slots(tree)
+        self.register_buffer("draft_depth", depth, persistent=False)
+        self.register_buffer("draft_rank", rank, persistent=False)
         self.drafter = drafter
         self.embed_tokens = embed_tokens
         # The target's own tensor, registered (not a plain attribute, which export would bake in as a constant).
@@ -413,7 +423,7 @@ class DFlashStep(nn.Module):
             v_cache.index_copy_(1, ctx_pos, v_new)
             x = layer(x, cos, sin, k_cache, v_cache, mask)
         h = self.drafter.norm(x)[1:]
-        return F.linear(h, self.lm_head_weight).argmax(-1)
+        return tree_drafts(F.linear(h, self.lm_head_weight), self.draft_depth, self.draft_rank, self.width)
 
     def state(self) -> dict[str, torch.Tensor]:
         out = dict(self.named_parameters())

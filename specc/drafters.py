@@ -22,6 +22,24 @@ def check_drafter(name: str) -> None:
                          f"use --drafter dflash, mtp, ngram or draft-model.")
 
 
+def draft_slots(tree: Tree) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """For drafters that rank candidates per depth (DFlash per block position, MTP per head depth):
+    node i >= 1 takes candidate rank ranks[i] at depth depths[i]. Returns the depth-1 and rank
+    index vectors [T-1] and the number of candidates needed per depth."""
+    depth = torch.tensor(tree.depths[1:], dtype=torch.int64) - 1
+    rank = torch.tensor(tree.ranks[1:], dtype=torch.int64)
+    return depth, rank, int(rank.max()) + 1 if len(rank) else 1
+
+
+def tree_drafts(logits: torch.Tensor, depth: torch.Tensor, rank: torch.Tensor, width: int) -> torch.Tensor:
+    """logits [D, V] per depth -> the tree's draft tokens [T-1] (see draft_slots)."""
+    if width == 1:  # a chain: plain argmax
+        cand = logits.argmax(-1, keepdim=True)
+    else:
+        cand = torch.topk(logits, width, dim=-1).indices
+    return cand[depth, rank]
+
+
 def ngram_propose(tokens: np.ndarray, k: int, max_ngram: int = 4, min_ngram: int = 1) -> list[int]:
     """Prompt lookup: the k tokens that followed the most recent earlier occurrence of the longest
     suffix (max_ngram down to min_ngram tokens) of `tokens`. Fewer than k when the match runs into
@@ -38,15 +56,56 @@ def ngram_propose(tokens: np.ndarray, k: int, max_ngram: int = 4, min_ngram: int
     return []
 
 
+def ngram_continuations(tokens: np.ndarray, k: int, max_ngram: int = 4, min_ngram: int = 1,
+                        limit: int = 16) -> list[list[int]]:
+    """Up to `limit` distinct continuations (each at most k tokens) that followed earlier occurrences
+    of a suffix of `tokens`: longer suffixes first, the most recent occurrence first within a length.
+    The first one is what `ngram_propose` returns."""
+    n, found = len(tokens), []
+    for size in range(min(max_ngram, n - 1), min_ngram - 1, -1):
+        suffix = tokens[n - size:]
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: n - 1], size)
+        for hit in np.flatnonzero((windows == suffix).all(axis=1))[::-1]:
+            start = int(hit) + size
+            cont = tokens[start: start + k].tolist()
+            if cont and cont not in found:
+                found.append(cont)
+                if len(found) == limit:
+                    return found
+    return found
+
+
+def ngram_tree_drafts(continuations: list[list[int]], tree: Tree, root: int) -> list[int]:
+    """Tokens for the tree's nodes 1..T-1. A node of rank r takes the r-th distinct next token among
+    the continuations that agree with its ancestors' tokens (in the continuations' order); a node
+    no continuation reaches repeats its parent's token (any token is lossless; this one is what a
+    chain drafter that ran out of matches proposed before)."""
+    tokens = [root] + [0] * (tree.size - 1)
+    agree: list[list[list[int]]] = [continuations] + [[] for _ in range(tree.size - 1)]
+    for i in range(1, tree.size):  # parents come before children
+        parent, d = tree.parents[i], tree.depths[i]
+        nexts: list[int] = []
+        for c in agree[parent]:
+            if len(c) >= d and c[d - 1] not in nexts:
+                nexts.append(c[d - 1])
+        rank = tree.ranks[i]
+        if rank < len(nexts):
+            tokens[i] = nexts[rank]
+            agree[i] = [c for c in agree[parent] if len(c) >= d and c[d - 1] == tokens[i]]
+        else:
+            tokens[i] = tokens[parent]
+    return tokens[1:]
+
+
 class NgramDrafter:
     kind = "ngram"
 
     def __init__(self, tree: Tree, max_ngram: int = 4, min_ngram: int = 3):
-        if not tree.is_chain:
-            raise SpeccError("the ngram drafter proposes a chain in this version; use --tree chain:K.")
         # A match shorter than min_ngram predicts poorly; without a match the step falls back to
-        # the plain one-token graph, which is cheaper than verifying a likely-rejected chain.
-        self.k, self.max_ngram, self.min_ngram = tree.size - 1, max_ngram, min_ngram
+        # the plain one-token graph, which is cheaper than verifying a likely-rejected tree.
+        self.tree, self.max_ngram, self.min_ngram = tree, max_ngram, min_ngram
+        # Distinct continuations worth collecting: enough to fill every rank at depth 1.
+        self.limit = max(1, len(tree.children[0])) * 4
 
     def start(self, prompt_ids: list[int], temperature, top_p) -> None:
         self.buf = np.array(prompt_ids, dtype=np.int64)
@@ -55,10 +114,9 @@ class NgramDrafter:
         """Drafts for the tree's non-root nodes, and whether anything matched (else the step can be plain)."""
         if len(self.buf) < len(committed):
             self.buf = np.asarray(committed, dtype=np.int64)
-        drafts = ngram_propose(self.buf, self.k, self.max_ngram, self.min_ngram)
-        found = len(drafts) > 0
-        drafts = drafts + [drafts[-1] if drafts else committed[-1]] * (self.k - len(drafts))
-        return drafts, found
+        conts = ngram_continuations(self.buf, self.tree.max_depth, self.max_ngram, self.min_ngram,
+                                    1 if self.tree.is_chain else self.limit)
+        return ngram_tree_drafts(conts, self.tree, committed[-1]), len(conts) > 0
 
     def accepted(self, committed: list[int], n_accepted: int) -> None:
         self.buf = np.asarray(committed, dtype=np.int64)
@@ -108,14 +166,13 @@ class HiddenStateDrafter:
     tokens; they wait here until the next proposal flushes them through the drafter's graphs in
     padded pieces: `prefill_graph` takes `chunk` rows (a prompt), `step_graph` the tree's size (one
     step's commits). The last call drafts after the last committed token, whose own hidden row does
-    not exist yet: every committed token but the last has its row."""
+    not exist yet: every committed token but the last has its row. The drafter's step graph fills
+    the whole tree (top-k candidates per depth)."""
 
     needs_taps = True
 
     def __init__(self, kind: str, tree: Tree, prefill_graph, step_graph, chunk: int):
-        if not tree.is_chain:
-            raise SpeccError(f"the {kind} drafter proposes a chain in this version; use --tree chain:K.")
-        self.kind, self.k = kind, tree.size - 1
+        self.kind, self.k = kind, tree.size - 1  # the step graph returns one draft per non-root node
         self.chunk, self.prefill_graph = chunk, prefill_graph
         self.step_rows, self.step_graph = tree.size, step_graph
 

@@ -55,7 +55,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .capture import Block
+from .drafters import draft_slots, tree_drafts
 from .errors import SpeccError
+from .tree import Tree, chain
 
 ORDERS = ("emb_hidden", "hidden_emb")
 FEEDBACKS = ("block", "normed")
@@ -291,8 +293,10 @@ def check_engine_heads(heads: MTPHeads) -> None:
 
 
 @torch.no_grad()
-def cached_scheme_drafts(heads: MTPHeads, target_hf_model, committed: list[int], depth: int) -> list[int]:
-    """The drafts d_1..d_depth that an engine's MTPStep proposes after `committed`, slowly and uncached.
+def cached_scheme_drafts(heads: MTPHeads, target_hf_model, committed: list[int], depth: int,
+                         width: int | None = None) -> list:
+    """The drafts d_1..d_depth that an engine's MTPStep proposes after `committed`, slowly and uncached
+    (with `width`: each depth's `width` best candidates instead, the argmax leading the recursion).
 
     One causal sequence of rows at positions 0, 1, ... through the one module: row p <= P = n-2
     (n = len(committed)) combines the target's hidden h_p with Emb(t_{p+1}); row P+d-1 (d >= 2)
@@ -305,32 +309,36 @@ def cached_scheme_drafts(heads: MTPHeads, target_hf_model, committed: list[int],
     module, parts = heads.mtp[0], target_parts(target_hf_model)
     device = parts["embed"].weight.device
     h, _ = target_hidden(target_hf_model, torch.tensor([committed[:-1]], device=device))
-    tokens, drafts = list(committed[1:]), []
+    tokens, drafts, ranked = list(committed[1:]), [], []
     for _ in range(depth):
         R = h.shape[1]
         emb = parts["embed"](torch.tensor([tokens], device=device))
         pos = torch.arange(R, device=device).unsqueeze(0)
         cos, sin = parts["rotary_emb"](emb, pos)
         last = module(h, emb, (cos, sin), _causal_mask(R, emb.dtype, emb.device), pos)[:, -1:]
-        drafts.append(int(module.logits(last, parts["final_norm"], parts["lm_head"])[0, -1].argmax()))
+        row = module.logits(last, parts["final_norm"], parts["lm_head"])[0, -1]
+        drafts.append(int(row.argmax()))
+        ranked.append(torch.topk(row, width).indices.tolist() if width else None)
         h = torch.cat((h, module.next_hidden(last)), dim=1)
         tokens.append(drafts[-1])
-    return drafts
+    return ranked if width else drafts
 
 
 class MTPStep(nn.Module):
     """Batch-1 MTP drafting with a static KV cache for the module's decoder layer; the compiler captures it.
 
-    forward(hidden [R,H], next_tokens [R], ctx_start [], n_ctx []) -> drafts [depth].  Rows i < n_ctx
+    forward(hidden [R,H], next_tokens [R], ctx_start [], n_ctx []) -> drafts [T-1].  Rows i < n_ctx
     are committed positions p = ctx_start + i: the target's post-final-norm hidden h_p beside
     next_tokens[i] = t_{p+1}.  Their K/V go to cache slot p and each attends to slots <= p.  Row
     n_ctx-1 (position P) gives d_1; depth d >= 2 is one row at position P+d-1 (the fed-back hidden
     and Emb(d_{d-1})), written at its slot, attending slots <= its position.  Padding rows (i >=
     n_ctx) write slots > P, which the depth rows or a later call overwrite before anything reads them.
+    Each depth feeds the next with its argmax; tree node i takes the candidate of rank ranks[i] at
+    depth depths[i] (`tree` defaults to chain:depth, whose drafts are the argmaxes).
     The target's embedding, final norm, LM head and rotary embedding are passed in and shared."""
 
     def __init__(self, heads: MTPHeads, embed_tokens: nn.Module, final_norm: nn.Module, lm_head_weight: torch.Tensor,
-                 rotary_emb: nn.Module, cache_len: int, depth: int):
+                 rotary_emb: nn.Module, cache_len: int, depth: int, tree: Tree | None = None):
         super().__init__()
         check_engine_heads(heads)
         if depth < 1:
@@ -346,6 +354,12 @@ class MTPStep(nn.Module):
         self.block = Block(m.layer, cache_len, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                            m.eh_proj.weight.dtype)
         self.cache_len, self.depth = cache_len, depth
+        tree = chain(depth) if tree is None else tree
+        if tree.max_depth != depth:
+            raise SpeccError(f"MTP drafting of depth {depth} cannot fill a token tree of depth {tree.max_depth}.")
+        d_idx, rank, self.width = draft_slots(tree)
+        self.register_buffer("draft_depth", d_idx, persistent=False)
+        self.register_buffer("draft_rank", rank, persistent=False)
 
     def _mix(self, h, e):
         e, h = self.enorm(e), self.hnorm(h)
@@ -359,19 +373,20 @@ class MTPStep(nn.Module):
                          mask.view(1, 1, *mask.shape))
         return out[0]
 
-    def _draft(self, out):
-        return F.linear(self.head_norm(out), self.lm_head_weight).argmax(-1)
+    def _logits(self, out):
+        return F.linear(self.head_norm(out), self.lm_head_weight)
 
     def forward(self, hidden, next_tokens, ctx_start, n_ctx):
         R = hidden.shape[0]
         out = self._layer(self._mix(hidden, self.embed_tokens(next_tokens)), torch.arange(R) + ctx_start)
         last = out.index_select(0, (n_ctx - 1).view(1))  # position P = ctx_start + n_ctx - 1
-        drafts = [self._draft(last)]
+        logits = [self._logits(last)]
         for d in range(2, self.depth + 1):
             h = self.head_norm(last) if self.normed_feedback else last
-            last = self._layer(self._mix(h, self.embed_tokens(drafts[-1])), (ctx_start + n_ctx + d - 2).view(1))
-            drafts.append(self._draft(last))
-        return torch.cat(drafts)
+            top = logits[-1].argmax(-1)
+            last = self._layer(self._mix(h, self.embed_tokens(top)), (ctx_start + n_ctx + d - 2).view(1))
+            logits.append(self._logits(last))
+        return tree_drafts(torch.cat(logits), self.draft_depth, self.draft_rank, self.width)
 
     def state(self) -> dict[str, torch.Tensor]:
         out = dict(self.named_parameters())

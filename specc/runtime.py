@@ -61,6 +61,9 @@ class Stats:
     prompt_tokens: int = 0
     stop: str = ""  # "eos" | "max_new_tokens" | "max_len"
     accepted_hist: list[int] = field(default_factory=list)  # count of steps by accepted drafts
+    # Per speculative step, the sibling ranks along the accepted path ((0, 2): rank 0, then rank 2);
+    # what `--tree sequoia/auto` measure acceptance from. Not in as_dict (one entry per step).
+    rank_paths: list[tuple[int, ...]] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"new_tokens": self.new_tokens, "steps": self.steps, "tau": round(self.tau, 4),
@@ -85,6 +88,8 @@ class Engine:
         self.max_len = manifest["max_len"]
         self.chunk = manifest["prefill_chunk"]
         self.eos = set(manifest["target"].get("eos_token_ids") or [])
+        # One graph per step where the engine has a fused step; False runs the unfused path (its reference).
+        self.use_fused = True
 
     # -- prompts ---------------------------------------------------------------------------
     def encode(self, prompt, chat: bool = False) -> list[int]:
@@ -142,19 +147,32 @@ class Engine:
             stats.stop = "eos"
             return
         base_len = L  # tokens whose K/V are in the cache; the root committed[-1] is not yet
+        # Fused: the step graph also updates the drafter and returns the next tree's drafts, so after
+        # the first proposal (which flushes the prompt's rows) there is one graph call per step.
+        fused = self.graphs.get("fused") if drafter is not None and self.use_fused else None
+        next_drafts = None
         while produced < budget:
-            if drafter is not None:
+            if next_drafts is not None:
+                graph, size = fused, T
+                tokens = torch.cat((torch.tensor([committed[-1]]), next_drafts))
+            elif drafter is not None:
                 drafts, found = drafter.propose(committed)
-                graph, size = (step, T) if found else (self.graphs["plain"], 1)
+                graph, size = (fused or step, T) if found else (self.graphs["plain"], 1)
                 tokens = torch.tensor([committed[-1]] + drafts[: size - 1], dtype=torch.int64)
             else:
                 graph, size = step, 1
                 tokens = torch.tensor([committed[-1]], dtype=torch.int64)
             n, path, out, *taps = graph(tokens, torch.tensor(base_len), temp_t, top_p_t,
                                         torch.rand(size + 1, generator=gen))
+            if graph is fused:
+                next_drafts, taps, on_step_rows = taps[0], [], None
+            else:
+                on_step_rows = on_rows
             n = int(n)
-            if on_rows is not None:  # the root and the accepted drafts are now committed context
-                on_rows(tap_rows(taps, path[: n + 1]), base_len)
+            if size > 1:
+                stats.rank_paths.append(tuple(self.tree.ranks[i] for i in path[1: n + 1].tolist()))
+            if on_step_rows is not None:  # the root and the accepted drafts are now committed context
+                on_step_rows(tap_rows(taps, path[: n + 1]), base_len)
             new = out[: n + 1].tolist()
             stats.steps += 1
             while len(stats.accepted_hist) <= n:

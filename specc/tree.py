@@ -3,17 +3,30 @@
 A tree is described the way Medusa writes its "choices": every node is the path of
 sibling ranks that leads to it from the root, e.g. (0, 1) is the second-ranked
 candidate under the top-ranked candidate at depth 1.  The root is the empty path ().
+
+The measured forms use an acceptance table: acceptance[d][r] is the probability that the
+rank-r draft candidate at depth d+1 is the one the target accepts, given that its parent
+was accepted (measure_acceptance estimates it from calibration runs).  Under greedy verification
+the candidates of one depth exclude each other, so a row sums to at most 1.  A node at path
+(r1, ..., rd) is reached with probability acceptance[0][r1] * ... * acceptance[d-1][rd],
+and 0 when a rank lies beyond its row or the depth beyond the table.  expected_tokens
+scores a tree by that model, sequoia builds the best tree for a node budget (Sequoia,
+arXiv 2402.12374) and pick_tree weighs candidates by measured step time.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import networkx
+import numpy as np
 import torch
 
 from specc.errors import SpeccError
@@ -213,10 +226,17 @@ def _too_big(spec: str, nodes: int | None) -> SpeccError:
     )
 
 
-def _needs_acceptance(form: str) -> SpeccError:
+def _sequoia_needs_acceptance(spec: str) -> SpeccError:
     return SpeccError(
-        f"--tree {form} needs measured per-rank acceptance, which this version of specc does not "
-        "provide yet; use chain:K, topk:DEPTH,WIDTH or a JSON file of paths."
+        f"--tree {_show(spec, 300)} needs a measured per-rank acceptance table, which the compiler "
+        "measures from the drafter before it builds the tree."
+    )
+
+
+def _auto_is_compiler_level() -> SpeccError:
+    return SpeccError(
+        "--tree 'auto' is resolved by the compiler, which measures per-rank acceptance and step times "
+        "and picks the fastest tree, so it cannot be parsed on its own."
     )
 
 
@@ -245,12 +265,16 @@ def _load_json_tree(spec: str) -> Tree:
     return _build(ordered)
 
 
-def parse_tree(spec: str) -> Tree:
-    """Parse a --tree value: chain:K, topk:DEPTH,WIDTH, sequoia:BUDGET, auto, or a JSON file of paths."""
+def parse_tree(spec: str, acceptance=None) -> Tree:
+    """Parse a --tree value: chain:K, topk:DEPTH,WIDTH, sequoia:BUDGET or a JSON file of paths.
+
+    sequoia:BUDGET needs `acceptance` (see the module docstring); the other forms ignore it.
+    auto is always refused here: the compiler resolves it by measuring candidates (pick_tree).
+    """
     s = spec.strip()
     kind, colon, arg = s.partition(":")
     if s == "auto":
-        raise _needs_acceptance("auto")
+        raise _auto_is_compiler_level()
     if kind == "chain" and colon:
         k = _nat(arg)
         if k is None:
@@ -274,7 +298,11 @@ def parse_tree(spec: str) -> Tree:
         budget = _nat(arg)
         if budget is None or budget < 1:
             raise _malformed(spec, "BUDGET must be a positive integer")
-        raise _needs_acceptance("sequoia:BUDGET")
+        if budget > MAX_TREE_NODES:
+            raise _too_big(spec, budget if budget < 10**9 else None)
+        if acceptance is None:
+            raise _sequoia_needs_acceptance(spec)
+        return sequoia(acceptance, budget)
     if os.path.isfile(spec):
         return _load_json_tree(spec)
     if os.path.exists(spec):
@@ -288,6 +316,237 @@ def parse_tree(spec: str) -> Tree:
     if colon:
         raise _malformed(spec, f"{_show(kind)} is not a known tree kind")
     raise _malformed(spec, "it is neither a known tree kind nor an existing file")
+
+
+# ---------------------------------------------------------------------------------------
+# Measured forms: acceptance tables, expected tokens, Sequoia trees and the timed pick.
+
+# Two DP candidates whose values differ by less than this (relative) count as a tie, so
+# tie-breaking does not hinge on floating-point rounding.
+_TIE = 1e-12
+
+
+def _acceptance_table(acceptance) -> tuple[tuple[float, ...], ...]:
+    """Validate an acceptance table (see the module docstring) and return it as tuples of floats."""
+
+    def bad(why: str) -> SpeccError:
+        return SpeccError(f"Invalid acceptance table: {why}.")
+
+    def is_seq(x) -> bool:
+        return not isinstance(x, (str, bytes, dict, Mapping)) and isinstance(x, (Sequence, np.ndarray))
+
+    if not is_seq(acceptance):
+        raise bad(f"expected a list of per-depth lists of probabilities, not {type(acceptance).__name__}")
+    if len(acceptance) == 0:
+        raise bad("it has no rows (one list of per-rank probabilities per depth is needed)")
+    rows = []
+    for d, row in enumerate(acceptance):
+        if not is_seq(row):
+            raise bad(f"row {d} is {_show(row)}, not a list of probabilities")
+        if len(row) == 0:
+            raise bad(f"row {d} is empty")
+        values = []
+        for r, v in enumerate(row):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise bad(f"acceptance[{d}][{r}] is {_show(v)}, not a number")
+            v = float(v)
+            if not 0.0 <= v <= 1.0:  # also refuses NaN
+                raise bad(f"acceptance[{d}][{r}] is {v!r}, outside [0, 1]")
+            values.append(v)
+        total = math.fsum(values)
+        if total > 1.0 + 1e-6:
+            raise bad(
+                f"row {d} sums to {total:.6g}, but the candidates of one depth exclude each other, "
+                "so a row can sum to at most 1"
+            )
+        rows.append(tuple(values))
+    return tuple(rows)
+
+
+def _path_probabilities(tree: Tree, table: tuple[tuple[float, ...], ...]) -> list[float]:
+    prob = [1.0] * tree.size
+    for i in range(1, tree.size):
+        d, r = tree.depths[i] - 1, tree.ranks[i]
+        a = table[d][r] if d < len(table) and r < len(table[d]) else 0.0
+        prob[i] = prob[tree.parents[i]] * a  # parents come before children
+    return prob
+
+
+def expected_tokens(tree: Tree, acceptance) -> float:
+    """Expected tokens committed per step: 1 (the bonus token) + the reach probability of every non-root node."""
+    prob = _path_probabilities(tree, _acceptance_table(acceptance))
+    return 1.0 + math.fsum(prob[1:])
+
+
+def sequoia(acceptance, budget: int, max_depth: int | None = None) -> Tree:
+    """The tree of `budget` nodes (root included, so budget 1 is plain decoding) with the most expected tokens.
+
+    Dynamic programming over (depth, node count), as in Sequoia (arXiv 2402.12374): since a
+    node's reach probability depends only on its depth and rank, the best subtree of n nodes
+    under a node at depth d is the same everywhere:
+
+        best(d, 1) = 1
+        best(d, n) = 1 + max over m_0 + m_1 + ... = n - 1 of sum_r acceptance[d][r] * best(d + 1, m_r)
+
+    (m_r = 0 leaves out the rank-r child), and expected_tokens of the result is best(0, budget).
+    The split over ranks is a knapsack solved rank by rank.  With B = budget, D = max_depth and
+    W = the longest row, it costs O(D * W * B^2) arithmetic (vectorised over the B^2 part) and
+    O(D * W * B) memory; for B = 256 it takes milliseconds to a few tenths of a second.
+
+    Nodes are drawn only from ranks with non-zero acceptance and depths up to max_depth (which
+    defaults to, and is capped by, the table's depth).  Zero-probability nodes would add
+    nothing, so when fewer than `budget` useful nodes exist the tree holds all of them and is
+    smaller than the budget; otherwise it has exactly `budget` nodes.
+
+    Ties (values within a relative 1e-12) are broken deterministically: at every node the
+    lowest-ranked child gets as many of the subtree's nodes as possible, then the next rank,
+    and so on; each child's subtree follows the same rule.  So among equally good trees the
+    one leaning to lower ranks wins, even over a shallower one.
+    """
+    table = _acceptance_table(acceptance)
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or not 1 <= budget <= MAX_TREE_NODES:
+        raise SpeccError(f"A Sequoia tree needs a budget from 1 to {MAX_TREE_NODES} nodes, got {_show(budget)}.")
+    budget = int(budget)
+    if max_depth is None:
+        max_depth = len(table)
+    if isinstance(max_depth, bool) or not isinstance(max_depth, numbers.Integral) or max_depth < 0:
+        raise SpeccError(f"A Sequoia tree needs max_depth >= 0, got {_show(max_depth)}.")
+    # A tree of `budget` nodes is never deeper than budget - 1.
+    depth = min(int(max_depth), len(table), budget - 1)
+    useful = [[r for r, a in enumerate(table[d]) if a > 0.0] for d in range(depth)]
+
+    # cap[d]: most nodes a subtree under a depth-d node can hold (saturated at budget).
+    cap = [1] * (depth + 1)
+    for d in reversed(range(depth)):
+        cap[d] = min(budget, 1 + len(useful[d]) * cap[d + 1])
+    size = min(budget, cap[0])
+    # limit[d]: the largest subtree worth solving at depth d (it needs d ancestors).
+    limit = [max(1, min(size - d, cap[d])) for d in range(depth + 1)]
+
+    # best[d][n] for n in 1..limit[d] (index 0 unused); -inf marks a size that cannot be filled.
+    best: list[np.ndarray] = [np.empty(0)] * (depth + 1)
+    best[depth] = np.array([-np.inf, 1.0])
+    # choice[d][r][k]: nodes given to the rank-r child when ranks r, r+1, ... share k nodes.
+    choice: list[dict[int, np.ndarray]] = [{} for _ in range(depth + 1)]
+    for d in reversed(range(depth)):
+        spare = limit[d] - 1  # nodes below a depth-d node
+        held = np.full(spare + 1, -np.inf)  # best sum over the ranks processed so far, per node count
+        held[0] = 0.0
+        child_most = min(spare, limit[d + 1])
+        ks = np.arange(spare + 1)[:, None]
+        ms = np.arange(child_most + 1)[None, :]
+        rest = ks - ms  # nodes left for the higher ranks
+        fits = rest >= 0
+        rest = np.where(fits, rest, 0)
+        rows = np.arange(spare + 1)
+        for r in reversed(useful[d]):
+            gain = np.empty(child_most + 1)
+            gain[0] = 0.0
+            gain[1:] = table[d][r] * best[d + 1][1 : child_most + 1]
+            value = np.where(fits, gain[None, :] + held[rest], -np.inf)  # [k, m]
+            top = value.max(axis=1)
+            near = value >= (top - _TIE * np.maximum(1.0, np.abs(top)))[:, None]
+            pick = child_most - np.argmax(near[:, ::-1], axis=1)  # the largest m among the near-best
+            choice[d][r] = pick
+            held = value[rows, pick]
+        best[d] = np.concatenate(([-np.inf], 1.0 + held))
+
+    paths: list[tuple[int, ...]] = []
+    stack: list[tuple[tuple[int, ...], int]] = [((), size)]
+    while stack:
+        path, n = stack.pop()
+        paths.append(path)
+        left = n - 1
+        for r in useful[len(path)] if len(path) < depth else ():
+            if left == 0:
+                break
+            m = int(choice[len(path)][r][left])
+            if m:
+                stack.append((path + (r,), m))
+                left -= m
+        assert left == 0, "sequoia: the DP's reconstruction lost nodes"
+    assert len(paths) == size
+    return _build(sorted(paths, key=lambda p: (len(p), p)))
+
+
+def pick_tree(candidates, acceptance, step_seconds) -> tuple[int, list[dict]]:
+    """Pick the candidate tree with the most expected tokens per second.
+
+    candidates: a list of (spec, Tree); step_seconds: a mapping from tree size to the measured
+    seconds of one step (draft + verify) at that size.  Returns the winner's index and one
+    report row per candidate, in the given order.  Throughputs within a relative 1e-9 of the
+    best count as a tie, which goes to the smaller tree (then the earlier candidate).
+    """
+    table = _acceptance_table(acceptance)
+    if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Iterable):
+        raise SpeccError(f"pick_tree needs a list of (spec, tree) candidates, not {type(candidates).__name__}.")
+    candidates = list(candidates)
+    if not candidates:
+        raise SpeccError("pick_tree needs at least one candidate tree.")
+    if not isinstance(step_seconds, Mapping):
+        raise SpeccError(
+            f"pick_tree needs step times as a mapping from tree size to seconds, not {type(step_seconds).__name__}."
+        )
+    rows = []
+    for item in candidates:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[1], Tree)):
+            raise SpeccError(f"pick_tree got the candidate {_show(item)}, not a (spec, tree) pair.")
+        spec, tree = item
+        if tree.size not in step_seconds:
+            raise SpeccError(f"pick_tree has no measured step time for the {tree.size}-node tree {_show(spec)}.")
+        sec = step_seconds[tree.size]
+        if isinstance(sec, bool) or not isinstance(sec, numbers.Real) or not 0.0 < float(sec) < math.inf:
+            raise SpeccError(
+                f"pick_tree got the step time {_show(sec)} for {tree.size} nodes; "
+                "it must be a positive number of seconds."
+            )
+        tokens = 1.0 + math.fsum(_path_probabilities(tree, table)[1:])
+        rows.append(
+            {
+                "tree": spec,
+                "nodes": tree.size,
+                "depth": tree.max_depth,
+                "expected_tokens": tokens,
+                "step_ms": float(sec) * 1000.0,
+                "expected_tokens_per_s": tokens / float(sec),
+            }
+        )
+    top = max(row["expected_tokens_per_s"] for row in rows)
+    near = [i for i, row in enumerate(rows) if row["expected_tokens_per_s"] >= top * (1.0 - 1e-9)]
+    return min(near, key=lambda i: (rows[i]["nodes"], i)), rows
+
+
+def measure_acceptance(records, tree: Tree) -> list[list[float]]:
+    """Estimate an acceptance table from greedy steps verified with `tree` (a topk tree, or a comb:
+    the rank-0 chain with ranked siblings at every depth).
+
+    Each record is the accepted path of one step as a tuple of ranks, e.g. (0, 2) (rank 0 at
+    depth 1, then rank 2 at depth 2) or () when nothing was accepted.  The estimate is the
+    conditional-on-parent one that expected_tokens and sequoia use:
+
+        acceptance[d][r] = #steps that accepted rank r at depth d+1
+                           / #steps that accepted a depth-d node holding a rank-r child
+
+    so a step that stopped at a leaf (nothing drafted below it) counts for no deeper rank.  Like
+    Sequoia it pools all parents of a depth.  The table has the tree's depth and width; a rank
+    never offered gets 0.
+    """
+    if not isinstance(tree, Tree):
+        raise SpeccError(f"measure_acceptance needs the Tree the records came from, not {type(tree).__name__}.")
+    depth, width = tree.max_depth, tree.max_width
+    index = {p: i for i, p in enumerate(tree.paths)}
+    hits = [[0] * width for _ in range(depth)]
+    offered = [[0] * width for _ in range(depth)]
+    for record in records:
+        path = _as_path(record)
+        if path is None or path not in index:
+            raise SpeccError(f"measure_acceptance got the record {_show(record)}, which is not a path of the tree.")
+        for d in range(len(path) + 1):
+            for kid in tree.children[index[path[:d]]]:  # what was drafted below the accepted node
+                offered[d][tree.ranks[kid]] += 1
+            if d < len(path):
+                hits[d][path[d]] += 1
+    return [[h / o if o else 0.0 for h, o in zip(hits[d], offered[d])] for d in range(depth)]
 
 
 def _layout(tree: Tree) -> list[tuple[float, float]]:

@@ -23,6 +23,61 @@ rules are:
   from the residual ``p / sum(p)`` by inverse CDF with ``uniforms[T]``: the
   first index whose cumulative sum exceeds ``uniforms[T]``.
 
+Sampled children (``accept_sample_sampled``, ``accept(..., draft_probs=q)``)
+------------------------------------------------------------------------------
+A drafter may instead SAMPLE each node's children i.i.d. from a draft
+distribution: ``draft_probs[i]`` (``[T, V]``) is the distribution ``q`` the
+children of node ``i`` were drawn from (after the drafter's own temperature /
+top-p; rows are renormalised here; rows of leaves are ignored).  The rule, at
+temperature > 0, with ``p = sampling_probs(logits[current])``: try the
+children in rank order; child ``c`` with token ``x`` is accepted iff
+``uniforms[c] * q(x) < p(x)`` (i.e. ``u < p(x) / q(x)``, probability
+``min(1, p(x) / q(x))``); on acceptance move to ``c`` and continue with its
+fresh ``p`` and its own ``q = draft_probs[c]``; on rejection set
+``p <- norm(max(p - q, 0))`` with the SAME ``q`` and try the next sibling.
+When every child is rejected (or there is none) the final token is drawn
+from the residual ``p`` by inverse CDF with ``uniforms[T]`` as above.
+
+Why this is exact (the multi-round / multi-draft rule).  Claim: if ``k``
+draws ``x_1 .. x_k`` i.i.d. from ``q`` remain, independent of everything
+decided so far, and the current residual is ``r``, the procedure emits a
+token distributed as ``r``.  ``k = 0``: we sample from ``r``.  ``k > 0``:
+``P(accept x_1 = y) = q(y) min(1, r(y)/q(y)) = min(q(y), r(y))``; the
+rejection probability is ``Z = 1 - sum_y min(q, r) = sum_y max(r - q, 0)``.
+Rejection depends only on ``(x_1, u_1)``, so ``x_2 .. x_k`` are still i.i.d.
+``q`` afterwards: the proposal for the next sibling is the unchanged ``q``
+(not ``q`` with ``x_1`` removed, which would be the rule for sampling without
+replacement), and by induction the rest emits ``r' = max(r - q, 0) / Z``.
+Total: ``min(q, r)(y) + Z r'(y) = min(q, r)(y) + max(r - q, 0)(y) = r(y)``.
+Once a child is accepted, its subtree was drawn from ``q(. | prefix, x)``
+independently of the sibling tests and its uniforms are fresh, so the same
+argument applies one level down, and the committed tokens are jointly
+distributed as the target.  A rejected token ``x`` had ``p(x) < q(x)``, so
+the residual gives it 0: a duplicate sibling (i.i.d. draws repeat) is then
+rejected (``u q(x) < 0`` is false) and the residual update is applied again,
+as the rule demands.  Degenerate cases, each kept exact:
+
+* ``q(x) == 0`` for a drawn ``x`` (impossible if ``x ~ q``; happens when a
+  drafter samples from a wider distribution than the ``q`` it reports, e.g.
+  it reports the top-p-filtered ``q``): the draw is VOID -- neither accepted
+  nor used to update ``p``.  The remaining valid draws are still i.i.d.
+  ``q`` (a filtered distribution restricted to its support IS ``q``), and
+  by the claim above the rule is exact for any number of them, so this
+  stays exact; accepting ``x`` whenever ``p(x) > 0`` would not.
+* ``p == q``: ``u q(x) < q(x) = p(x)`` always holds for ``u < 1``, so a
+  rejection has probability 0 and ``max(p - q, 0) == 0`` is never needed.
+  If rounding nevertheless produces a rejection whose residual is all zero
+  (``Z == 0``), the residual stays ``p`` (the draw is treated as void), so
+  the final token always has positive target probability.
+* ``p(x) == 0``: never accepted (``u q(x) < 0`` is false).
+* A one-hot ``q`` on a chain (one child per node) reduces to the
+  deterministic rule: accept iff ``u < p(x)``, residual ``p`` without ``x``.
+
+The rule assumes siblings are i.i.d. draws (with replacement) from ``q``;
+distinct-token (without replacement) or top-k children need the
+deterministic rule above.  Greedy (``temperature <= 0``) is argmax matching
+whatever the children are.
+
 All results are ``(n_accepted, path, out_tokens)`` where, with ``D`` the tree
 depth, ``path`` (``[D + 1]``) lists node indices from the root, padded by
 repeating the last accepted node, and ``out_tokens`` (``[D + 1]``) lists the
@@ -47,10 +102,12 @@ __all__ = [
     "sampling_probs",
     "accept_greedy",
     "accept_sample",
+    "accept_sample_sampled",
     "accept",
     "reference_sampling_probs",
     "reference_accept_greedy",
     "reference_accept_sample",
+    "reference_accept_sample_sampled",
 ]
 
 _MIN_TEMPERATURE = 1e-5
@@ -270,6 +327,81 @@ def accept_sample(
     return _finish(nodes, n, tokens, bonus)
 
 
+def _normalize_rows(q: Tensor) -> Tensor:
+    """Rows of ``q`` divided by their sums; all-zero rows stay zero."""
+    s = q.sum(dim=-1, keepdim=True)
+    return torch.where(s > 0, q / torch.where(s > 0, s, torch.ones_like(s)), q)
+
+
+def _sampled_residual(row: Tensor, q: Tensor) -> Tensor:
+    """``norm(max(row - q, 0))``; ``row`` itself when that is all zero."""
+    r = torch.clamp(row - q, min=0.0)
+    z = r.sum()
+    return torch.where(z > 0, r / torch.where(z > 0, z, torch.ones_like(z)), row)
+
+
+def accept_sample_sampled(
+    logits: Tensor,
+    tokens: Tensor,
+    parents: Sequence[int],
+    children: Tensor,
+    draft_probs: Tensor,
+    temperature: Tensor,
+    top_p: Tensor,
+    uniforms: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Lossless stochastic verification of SAMPLED children (module docstring).
+
+    ``draft_probs`` (``[T, V]``, same shape as ``logits``): row ``i`` is the
+    distribution node ``i``'s children were drawn from, i.i.d.; rows are
+    renormalised here and rows of leaves are ignored.  Other arguments and
+    the outputs are as for :func:`accept_sample`.
+    """
+    depth, num_nodes, width = _tree_setup(tokens, parents, children)
+    if tuple(draft_probs.shape) != tuple(logits.shape):
+        raise ValueError("draft_probs must have the shape of logits, [T, V]")
+    device = logits.device
+    children = children.to(torch.int64)
+    tokens = tokens.to(torch.int64)
+    uniforms = uniforms.to(torch.float32)
+    probs = sampling_probs(logits, temperature, top_p)  # [T, V]
+    qs = _normalize_rows(draft_probs.to(torch.float32))  # [T, V]
+    valid_all = children >= 0
+    child_idx = children.clamp(min=0)
+
+    cur = torch.zeros((), dtype=torch.int64, device=device)
+    n = torch.zeros((), dtype=torch.int64, device=device)
+    searching = torch.ones((), dtype=torch.bool, device=device)
+    resid = probs[0]
+    nodes = [cur]
+    for _ in range(depth):
+        row = resid
+        q = _at(qs, cur)  # [V], the distribution of cur's children
+        kids = _at(child_idx, cur)  # [W]
+        valid = _at(valid_all, cur)  # [W]
+        accepted = torch.zeros((), dtype=torch.bool, device=device)
+        nxt = cur
+        for w in range(width):
+            c = kids[w]
+            x = _at(tokens, c)
+            px = _at(row, x)
+            qx = _at(q, x)
+            active = searching & valid[w] & ~accepted
+            drawn = active & (qx > 0)  # q(x) == 0: a void draw, skipped
+            ok = drawn & (_at(uniforms, c) * qx < px)
+            rej = drawn & ~ok
+            nxt = torch.where(ok, c, nxt)
+            accepted = accepted | ok
+            row = torch.where(rej, _sampled_residual(row, q), row)
+        cur = torch.where(accepted, nxt, cur)
+        n = n + accepted.to(torch.int64)
+        searching = accepted
+        resid = torch.where(accepted, _at(probs, cur), row)
+        nodes.append(cur)
+    bonus = _inverse_cdf(resid, uniforms[num_nodes])
+    return _finish(nodes, n, tokens, bonus)
+
+
 def accept(
     logits: Tensor,
     tokens: Tensor,
@@ -278,12 +410,35 @@ def accept(
     temperature: Tensor,
     top_p: Tensor,
     uniforms: Tensor,
+    draft_probs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Greedy when ``temperature <= 0``, else lossless sampling (torch.cond)."""
+    """Greedy when ``temperature <= 0``, else lossless sampling (torch.cond).
+
+    ``draft_probs=None``: children are deterministic drafts (one-hot ``q``,
+    :func:`accept_sample`).  Given (``[T, V]``), children were sampled
+    i.i.d. from ``draft_probs[parent]`` and :func:`accept_sample_sampled`
+    verifies them at temperature > 0; greedy is unchanged.
+    """
     device = logits.device
     temperature = torch.as_tensor(temperature, dtype=torch.float32, device=device)
     top_p = torch.as_tensor(top_p, dtype=torch.float32, device=device)
     parents = tuple(int(p) for p in parents)
+
+    if draft_probs is not None:
+
+        def _sample_q(lg, tk, ch, t, tp, u, q):
+            return accept_sample_sampled(lg, tk, parents, ch, q, t, tp, u)
+
+        def _greedy_q(lg, tk, ch, t, tp, u, q):
+            return accept_greedy(lg, tk, parents, ch)
+
+        return _branch(
+            temperature > 0,
+            _sample_q,
+            _greedy_q,
+            (logits, tokens.to(torch.int64), children.to(torch.int64), temperature, top_p,
+             uniforms.to(torch.float32), draft_probs.to(torch.float32)),
+        )
 
     def _sample(lg, tk, ch, t, tp, u):
         return accept_sample(lg, tk, parents, ch, t, tp, u)
@@ -425,4 +580,63 @@ def reference_accept_sample(
             final = i
             break
     out.append(final)
+    return _pad(path, out, depth)
+
+
+def _reference_inverse_cdf(p: Sequence[float], u: float) -> int:
+    """First index whose cumulative sum of p/sum(p) exceeds u, never past the
+    last index with positive mass (as ``_inverse_cdf``)."""
+    s = sum(p)
+    last_nz = 0
+    for i, v in enumerate(p):
+        if v > 0:
+            last_nz = i
+    cum = 0.0
+    for i, v in enumerate(p):
+        cum += v / s if s > 0 else 0.0
+        if cum > u or i >= last_nz:
+            return i
+    return last_nz  # pragma: no cover - the loop always returns
+
+
+def reference_accept_sample_sampled(
+    logits, tokens, parents, children, draft_probs, temperature: float, top_p: float, uniforms
+) -> tuple[int, list[int], list[int]]:
+    """Plain-Python oracle for :func:`accept_sample_sampled`."""
+    rows = _to_list(logits)
+    toks = [int(t) for t in _to_list(tokens)]
+    kids = _child_lists(children)
+    qrows = _to_list(draft_probs)
+    us = [float(u) for u in _to_list(uniforms)]
+    num_nodes = len(rows)
+    depth = tree_depth([int(p) for p in _to_list(parents)])
+    temperature = float(temperature)
+    top_p = float(top_p)
+    cur = 0
+    path = [0]
+    out: list[int] = []
+    p = reference_sampling_probs(rows[cur], temperature, top_p)
+    while kids[cur]:
+        raw = [float(v) for v in qrows[cur]]
+        s = sum(raw)
+        q = [v / s for v in raw] if s > 0 else raw
+        nxt = -1
+        for c in kids[cur]:
+            x = toks[c]
+            if not q[x] > 0:
+                continue  # void draw: q(x) == 0
+            if us[c] * q[x] < p[x]:
+                nxt = c
+                break
+            r = [max(a - b, 0.0) for a, b in zip(p, q)]
+            z = sum(r)
+            if z > 0:
+                p = [v / z for v in r]
+        if nxt < 0:
+            break
+        path.append(nxt)
+        out.append(toks[nxt])
+        cur = nxt
+        p = reference_sampling_probs(rows[cur], temperature, top_p)
+    out.append(_reference_inverse_cdf(p, us[num_nodes]))
     return _pad(path, out, depth)

@@ -176,8 +176,9 @@ COMPILE_ERRORS = {  # id: (argv before -o, words the message must contain)
     "tensorrt": (lambda c: [c.model, "--backend", "tensorrt"], ["tensorrt", "not"]),
     "drafter-dspark": (lambda c: [c.model, "--drafter", "dspark"], ["dspark", "not available"]),
     "mtp-without-path": (lambda c: [c.model, "--drafter", "mtp"], ["mtp", "--drafter-path"]),
-    "mtp-tree-not-chain": (lambda c: [c.model, "--drafter", "mtp", "--drafter-path", c.model, "--tree", "topk:2,2"],
-                           ["mtp", "chain:K"]),
+    "draft-model-tree-not-chain": (lambda c: [c.model, "--drafter", "draft-model", "--drafter-layers", "1",
+                                              "--tree", "topk:2,2"], ["draft-model", "chain:K"]),
+    "sequoia-without-drafter": (lambda c: [c.model, "--tree", "sequoia:4"], ["sequoia:4", "--drafter ngram, mtp"]),
     "mtp-two-modules": (lambda c: [c.model, "--drafter", "mtp", "--drafter-path", _mtp_checkpoint(c, modules=2)],
                         ["one module", "2 modules"]),  # loads the target
     "mtp-hidden-mismatch": (lambda c: [c.model, "--drafter", "mtp", "--drafter-path", _mtp_checkpoint(c, hidden=48)],

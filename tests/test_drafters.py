@@ -35,3 +35,65 @@ def test_ngram_drafter_pads_and_reports_misses():
     d.accepted([1, 2, 3, 9, 1, 2, 7], 0)
     drafts, found = d.propose([1, 2, 3, 9, 1, 2, 7])
     assert not found and len(drafts) == 4  # no match: the runtime takes the plain one-token step
+
+
+def test_ngram_continuations_first_is_the_chain_proposal():
+    tokens = np.array([5, 1, 2, 3, 1, 2, 4, 1, 2], dtype=np.int64)
+    conts = __import__("specc.drafters", fromlist=["x"]).ngram_continuations(tokens, 3, 2, 1)
+    assert conts[0] == ngram_propose(tokens, 3, 2, 1) == [4, 1, 2]
+    assert conts[:2] == [[4, 1, 2], [3, 1, 2]]  # suffix [1, 2]: latest occurrence first
+    assert len(conts) == len({tuple(c) for c in conts})
+
+
+def _node_tokens(tree, drafts, root):
+    return [root] + list(drafts)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=4), max_size=6), st.integers(1, 3),
+       st.integers(1, 3))
+def test_ngram_tree_drafts_follow_continuations(conts, depth, width):
+    from specc.drafters import ngram_tree_drafts
+    from specc.tree import topk
+
+    uniq = []
+    for c in conts:
+        if c not in uniq:
+            uniq.append(c)
+    tree = topk(depth, width)
+    toks = _node_tokens(tree, ngram_tree_drafts(uniq, tree, 9), 9)
+    assert len(toks) == tree.size
+
+    def seq(i):  # tokens along the path root -> i, root excluded
+        out = []
+        while i > 0:
+            out.append(toks[i])
+            i = tree.parents[i]
+        return out[::-1]
+
+    reached = {0}  # nodes whose path is a prefix of some continuation
+    for i in range(tree.size):
+        prefix = seq(i)
+        nexts = []
+        if i in reached:
+            for c in uniq:
+                if c[: len(prefix)] == prefix and len(c) > len(prefix) and c[len(prefix)] not in nexts:
+                    nexts.append(c[len(prefix)])
+        for r, kid in enumerate(tree.children[i]):
+            if r < len(nexts):
+                assert toks[kid] == nexts[r]
+                reached.add(kid)
+            else:
+                assert toks[kid] == toks[i]
+
+
+def test_ngram_drafter_on_a_tree_offers_several_matches():
+    from specc.tree import tree_from_paths
+
+    tree = tree_from_paths([[0], [1], [0, 0], [1, 0]])
+    d = NgramDrafter(tree, min_ngram=2)
+    ids = [1, 2, 3, 4, 1, 2, 5, 6, 1, 2]
+    d.start(ids, 0.0, 1.0)
+    drafts, found = d.propose(ids)
+    # Node order: [0], [1], [0,0], [1,0]: the latest match (5, 6) first, then (3, 4).
+    assert found and drafts == [5, 3, 6, 4]

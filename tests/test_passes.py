@@ -153,10 +153,10 @@ def test_tree_inputs_logits_match_hf_on_each_path(model, name):
 
 @pytest.fixture(scope="module", params=["topk2x2", "irregular"])
 def step(request, model, tmp_path_factory):
-    """The decode-step program of graph_plans (tree_inputs -> verify -> compact_kv), dumped."""
+    """The decode-step program of graph_plans (tree_attention -> tree_inputs -> verify -> compact_kv), dumped."""
     tree = TREES[request.param]
     (plan,) = [p for p in graph_plans(tree, "ngram", 8, S) if p.name == "step"]
-    assert plan.T == tree.size and plan.pipeline.names == ["tree_inputs", "verify", "compact_kv"]
+    assert plan.T == tree.size and plan.pipeline.names == ["tree_attention", "tree_inputs", "verify", "compact_kv"]
     tm = TargetModule(model, S)
     dump = tmp_path_factory.mktemp("dump")
     ep = build_program(plan, tm, dump)
@@ -317,14 +317,14 @@ def test_matvec_rewrites_few_row_linears_only(arch, T):
 
 def test_pipeline_dumps_every_pass(step):
     _, _, _, _, dump = step
-    names = ["00-capture", "01-tree_inputs", "02-verify", "03-compact_kv"]
+    names = ["00-capture", "01-tree_attention", "02-tree_inputs", "03-verify", "04-compact_kv"]
     files = sorted(p.name for p in dump.iterdir())
     assert files == [f"step.{n}.txt" for n in names]
     for n in names:
         text = (dump / f"step.{n}.txt").read_text()
         assert "# input" in text and "# output" in text and "def forward" in text
     assert "index_copy" in (dump / "step.00-capture.txt").read_text()
-    assert "USER_INPUT" in (dump / "step.01-tree_inputs.txt").read_text()
+    assert "USER_INPUT" in (dump / "step.02-tree_inputs.txt").read_text()
 
 
 def test_pipeline_run_order_and_labels(model, tmp_path):

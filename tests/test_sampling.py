@@ -90,3 +90,23 @@ def test_wrong_acceptance_rule_is_detected(models, tmp_path, monkeypatch):
     samples, _ = sample_runs(root, tmp_path)
     p = g_test(samples, exact_distribution(target, 1.0))
     assert p < 1e-3, f"the wrong rule was not detected (p={p:.2e})"
+
+
+def test_speculative_sampling_on_a_tree_matches_target(models, tmp_path):
+    """The same test on a branching tree (sibling retries and the residual), drafted by DFlash's
+    ranked candidates through the fused step graph."""
+    from test_engine import random_dflash
+
+    root, target = models
+    dpath, _ = random_dflash(target, tmp_path / "dflash", block=3)
+    path = specc.compile(root / "target", drafter="dflash", drafter_path=dpath, tree="topk:2,2", backend="eager",
+                         output_dir=tmp_path / "engine", max_len=32, prefill_chunk=4, progress=False)
+    engine = specc.load(path)
+    samples, branched = [], 0
+    for seed in range(RUNS):
+        r = engine.generate(PROMPT, max_new_tokens=NEW, temperature=1.0, seed=seed, stop_at_eos=False)
+        samples.append(tuple(r.token_ids))
+        branched += sum(any(rank > 0 for rank in p) for p in r.stats.rank_paths)
+    assert branched > 100  # second-ranked children were accepted: the sibling rule was exercised
+    p = g_test(samples, exact_distribution(target, 1.0))
+    assert p > 1e-3, f"speculative samples on a tree differ from the target distribution (p={p:.2e})"

@@ -1,4 +1,7 @@
 import json
+import math
+import random
+from functools import lru_cache
 
 import pytest
 import torch
@@ -11,7 +14,11 @@ from specc.tree import (
     Tree,
     chain,
     draw_tree,
+    expected_tokens,
+    measure_acceptance,
     parse_tree,
+    pick_tree,
+    sequoia,
     topk,
     tree_from_paths,
 )
@@ -175,6 +182,8 @@ MALFORMED = [
     "sequoia:",
     "sequoia:0",
     "sequoia:abc",
+    f"sequoia:{MAX_TREE_NODES + 1}",
+    "sequoia:" + "9" * 30,
     "auto:3",
     "bogus:3",
     "bogus",
@@ -224,13 +233,6 @@ def test_parse_rejects_directory(tmp_path):
         parse_tree(str(tmp_path))
 
 
-@pytest.mark.parametrize("spec", ["sequoia:64", "auto"])
-def test_measured_forms_not_available_yet(spec):
-    with pytest.raises(SpeccError, match="measured per-rank acceptance") as info:
-        parse_tree(spec)
-    assert "\n" not in str(info.value)
-
-
 @st.composite
 def prefix_closed_paths(draw):
     # Grow a tree one node at a time under a random existing node, so the set is prefix-closed by construction.
@@ -268,3 +270,259 @@ def test_draw_tree_writes_png(tmp_path, tree, labels):
     draw_tree(tree, out, labels=labels)
     data = out.read_bytes()
     assert data.startswith(b"\x89PNG") and len(data) > 1000
+
+
+# --- measured forms: acceptance tables, expected tokens, Sequoia, pick_tree ---------------
+
+TABLE = [[0.6, 0.2, 0.1], [0.5, 0.3], [0.4, 0.1, 0.05]]
+
+
+def reach(path, table):
+    """Plain-Python reach probability of a node (0 beyond the table)."""
+    prob = 1.0
+    for d, r in enumerate(path):
+        prob *= table[d][r] if d < len(table) and r < len(table[d]) else 0.0
+    return prob
+
+
+def one_line_error(call) -> str:
+    with pytest.raises(SpeccError) as info:
+        call()
+    msg = str(info.value)
+    assert "\n" not in msg and msg.endswith(".")
+    return msg
+
+
+@lru_cache(maxsize=None)
+def all_trees(row_lengths: tuple[int, ...], max_depth: int, max_size: int) -> tuple[frozenset, ...]:
+    """Every prefix-closed set of paths with ranks < their row's length, depth <= max_depth, <= max_size nodes."""
+    layer = {frozenset({()})}
+    found = set(layer)
+    for _ in range(max_size - 1):
+        grown = set()
+        for t in layer:
+            for p in t:
+                if len(p) < max_depth:
+                    grown.update(t | {p + (r,)} for r in range(row_lengths[len(p)]) if p + (r,) not in t)
+        found |= grown
+        layer = grown
+    return tuple(found)
+
+
+@st.composite
+def acceptance_tables(draw, max_rows=3, max_width=3):
+    rows = []
+    for _ in range(draw(st.integers(1, max_rows))):
+        # Zeros exercise useless nodes; no tiny positives, so reach products never underflow to 0.
+        row = draw(st.lists(st.one_of(st.just(0.0), st.floats(1e-3, 1.0)), min_size=1, max_size=max_width))
+        total = sum(row)
+        rows.append([v / total for v in row] if total > 1 else row)
+    return rows
+
+
+@settings(max_examples=60, deadline=None)
+@given(acceptance_tables(), st.integers(1, 7), st.one_of(st.none(), st.integers(0, 4)))
+def test_sequoia_matches_brute_force(table, budget, max_depth):
+    tree = sequoia(table, budget, max_depth=max_depth)
+    check_invariants(tree)
+    depth_cap = len(table) if max_depth is None else min(max_depth, len(table))
+    candidates = all_trees(tuple(len(row) for row in table), depth_cap, budget)
+    brute = max(1.0 + sum(reach(p, table) for p in t if p) for t in candidates)
+    value = expected_tokens(tree, table)
+    assert math.isclose(value, brute, rel_tol=1e-9, abs_tol=1e-12)
+    assert math.isclose(value, 1.0 + sum(reach(p, table) for p in tree.paths[1:]), rel_tol=1e-12)
+    # Exactly min(budget, useful) nodes, all of them useful and within max_depth.
+    biggest_useful = max(1 + sum(1 for p in t if p and reach(p, table) > 0) for t in candidates)
+    assert tree.size == min(budget, biggest_useful)
+    assert all(reach(p, table) > 0 for p in tree.paths[1:])
+    assert tree.max_depth <= depth_cap
+    assert sequoia(table, budget, max_depth=max_depth) == tree  # deterministic
+
+
+@settings(max_examples=40, deadline=None)
+@given(acceptance_tables(max_rows=4), st.integers(0, 8))
+def test_chain_expected_tokens_is_prefix_products(table, k):
+    want, prod = 1.0, 1.0
+    for d in range(k):
+        prod *= table[d][0] if d < len(table) else 0.0
+        want += prod
+    assert math.isclose(expected_tokens(chain(k), table), want, rel_tol=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(acceptance_tables(max_rows=4, max_width=4))
+def test_sequoia_never_worse_than_chain_or_topk(table):
+    shapes = [chain(k) for k in range(8)] + [topk(d, w) for d in range(1, 5) for w in range(1, 4)]
+    for tree in shapes:
+        best = sequoia(table, tree.size)
+        assert best.size <= tree.size
+        assert expected_tokens(best, table) >= expected_tokens(tree, table) - 1e-12
+
+
+def test_sequoia_known_trees():
+    assert sequoia([[0.8, 0.1], [0.8, 0.1]], 3).paths == ((), (0,), (0, 0))
+    assert sequoia([[0.4, 0.4], [0.1]], 3).paths == ((), (0,), (1,))
+    assert sequoia(TABLE, 1) == chain(0)
+    # Unsorted rows: the better rank wins whatever its index.
+    assert sequoia([[0.1, 0.7]], 2).paths == ((), (1,))
+    # Ties go to lower ranks: (0, 0) and (1,) are both worth 0.25 here.
+    assert sequoia([[0.5, 0.25], [0.5]], 3).paths == ((), (0,), (0, 0))
+    assert sequoia([[0.3, 0.3]], 2).paths == ((), (0,))
+
+
+def test_sequoia_smaller_than_budget_when_nodes_are_useless():
+    assert sequoia([[0.0, 0.0]], 5) == chain(0)
+    tree = sequoia([[0.5, 0.0, 0.3], [0.0, 0.9]], 50)
+    assert tree.paths == ((), (0,), (2,), (0, 1), (2, 1))
+    assert sequoia(TABLE, 50, max_depth=1).paths == ((), (0,), (1,), (2,))
+    assert sequoia(TABLE, 50, max_depth=0) == chain(0)
+
+
+def test_sequoia_full_budget_is_fast_and_valid():
+    rng = random.Random(0)
+    table = [[rng.random() / 12 for _ in range(12)] for _ in range(40)]
+    tree = sequoia(table, MAX_TREE_NODES)
+    assert tree.size == MAX_TREE_NODES
+    check_invariants(tree)
+    deep = sequoia([[0.99]] * 300, MAX_TREE_NODES)
+    assert deep == chain(MAX_TREE_NODES - 1)
+
+
+BAD_TABLES = [[], [[]], [[1.2]], [[-0.1]], [[0.7, 0.7]], [["a"]], [[float("nan")]], "abc", [[True]], [0.5], {"a": 1}]
+
+
+@pytest.mark.parametrize("table", BAD_TABLES)
+def test_bad_acceptance_tables_refused(table):
+    assert "acceptance" in one_line_error(lambda: sequoia(table, 4))
+    one_line_error(lambda: expected_tokens(chain(2), table))
+    one_line_error(lambda: parse_tree("sequoia:4", acceptance=table))
+
+
+@pytest.mark.parametrize(
+    "budget,max_depth", [(0, None), (MAX_TREE_NODES + 1, None), (True, None), (2.0, None), (4, -1)]
+)
+def test_sequoia_bad_arguments(budget, max_depth):
+    one_line_error(lambda: sequoia(TABLE, budget, max_depth=max_depth))
+
+
+def test_row_sums_allow_rounding():
+    sequoia([[0.5, 0.5 + 1e-7]], 3)
+    one_line_error(lambda: sequoia([[0.5, 0.5 + 1e-5]], 3))
+
+
+def test_parse_sequoia_with_acceptance():
+    assert parse_tree("sequoia:6", acceptance=TABLE) == sequoia(TABLE, 6)
+    assert parse_tree(" sequoia:1 ", acceptance=TABLE) == chain(0)
+    assert parse_tree("chain:3", acceptance=TABLE) == chain(3)  # other forms ignore the table
+    assert "limit" in one_line_error(lambda: parse_tree(f"sequoia:{MAX_TREE_NODES + 1}", acceptance=TABLE))
+
+
+@pytest.mark.parametrize("acceptance", [None, TABLE])
+def test_parse_refuses_measured_forms_in_one_line(acceptance):
+    msg = one_line_error(lambda: parse_tree("auto", acceptance=acceptance))
+    assert msg.startswith("--tree 'auto'") and "compiler" in msg and "acceptance" in msg
+    if acceptance is None:
+        msg = one_line_error(lambda: parse_tree("sequoia:64"))
+        assert msg.startswith("--tree 'sequoia:64'") and "acceptance" in msg
+
+
+def test_pick_tree_picks_the_fastest_and_reports_all():
+    specs = ["chain:1", "chain:3", "topk:2,2", "sequoia:7"]
+    cands = [(s, parse_tree(s, acceptance=TABLE)) for s in specs]
+    step = {2: 0.010, 4: 0.011, 7: 0.0125}
+    index, rows = pick_tree(cands, TABLE, step)
+    assert [r["tree"] for r in rows] == specs
+    for (spec, tree), row in zip(cands, rows):
+        assert set(row) == {"tree", "nodes", "depth", "expected_tokens", "step_ms", "expected_tokens_per_s"}
+        assert row["nodes"] == tree.size and row["depth"] == tree.max_depth
+        assert math.isclose(row["expected_tokens"], expected_tokens(tree, TABLE))
+        assert math.isclose(row["step_ms"], 1000 * step[tree.size])
+        assert math.isclose(row["expected_tokens_per_s"], row["expected_tokens"] / step[tree.size])
+    speeds = [r["expected_tokens_per_s"] for r in rows]
+    assert index == speeds.index(max(speeds))
+    assert json.loads(json.dumps(rows)) == rows
+    # A slow big tree loses to a cheap chain.
+    index, _ = pick_tree(cands, TABLE, {2: 0.010, 4: 0.05, 7: 0.2})
+    assert index == 0
+
+
+def test_pick_tree_ties_go_to_the_smaller_tree():
+    table = [[0.5]]  # chain:2's second node is beyond the table, so it adds nothing
+    index, rows = pick_tree([("chain:2", chain(2)), ("chain:1", chain(1))], table, {2: 0.01, 3: 0.01})
+    assert index == 1 and rows[0]["expected_tokens"] == rows[1]["expected_tokens"] == 1.5
+
+
+PICK_REFUSALS = [
+    ([], {2: 0.01}),  # no candidates
+    ([("chain:1", chain(1))], {3: 0.01}),  # no step time for its size
+    ([("chain:1", chain(1))], {2: 0.0}),  # a step time that is not positive
+    ([("chain:1", "x")], {2: 0.01}),  # not a Tree
+]
+
+
+@pytest.mark.parametrize("cands,step", PICK_REFUSALS)
+def test_pick_tree_refusals(cands, step):
+    one_line_error(lambda: pick_tree(cands, TABLE, step))
+
+
+def test_measure_acceptance_counts():
+    t = topk(2, 2)
+    records = [(), (0,), (0, 1), (1, 0), (0, 0)]
+    assert measure_acceptance(records, t) == [[3 / 5, 1 / 5], [2 / 4, 1 / 4]]
+    assert measure_acceptance([], t) == [[0.0] * 2, [0.0] * 2]
+    assert measure_acceptance(iter([[2]]), topk(1, 3)) == [[0.0, 0.0, 1.0]]
+
+
+def test_measure_acceptance_on_a_comb_counts_only_offered_ranks():
+    # The comb: only rank-0 nodes have children, so a step that accepted (1,) stopped at a leaf and
+    # must not count towards depth 2.
+    comb = tree_from_paths([[0], [1], [0, 0], [0, 1]])
+    records = [(1,), (0, 0), (0,), ()]
+    assert measure_acceptance(records, comb) == [[2 / 4, 1 / 4], [1 / 2, 0.0]]
+
+
+def _simulate(truth, n, seed):
+    rng = random.Random(seed)
+    records = []
+    for _ in range(n):
+        path = []
+        for row in truth:
+            u, acc = rng.random(), 0.0
+            for r, a in enumerate(row):
+                acc += a
+                if u < acc:
+                    path.append(r)
+                    break
+            else:
+                break
+            if path[-1] != 0:  # on a comb, only rank 0 has children
+                break
+        records.append(tuple(path))
+    return records
+
+
+def test_measure_acceptance_recovers_a_simulated_table():
+    truth = [[0.6, 0.25], [0.5, 0.3], [0.7, 0.1]]
+    comb = tree_from_paths([(0,) * d + (r,) for d in range(3) for r in range(2)])
+    got = measure_acceptance(_simulate(truth, 20000, 1), comb)
+    for row_got, row_true in zip(got, truth):
+        for g, t in zip(row_got, row_true):
+            assert abs(g - t) < 0.02
+    assert sequoia(got, 3) == sequoia(truth, 3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2), max_size=3).map(tuple), max_size=30))
+def test_measure_acceptance_is_a_valid_table(records):
+    table = measure_acceptance(records, topk(3, 3))
+    for d, row in enumerate(table):
+        reached = sum(1 for p in records if len(p) >= d)
+        assert sum(row) == pytest.approx(sum(1 for p in records if len(p) > d) / reached if reached else 0.0)
+        assert all(0.0 <= v <= 1.0 for v in row)
+    expected_tokens(chain(3), table)  # passes the table check
+
+
+@pytest.mark.parametrize("records,tree", [([(3,)], topk(2, 3)), ([(0, 0, 0)], topk(2, 3)), ([(-1,)], topk(2, 3)),
+                                          (["0"], topk(2, 3)), ([()], "topk:2,3")])
+def test_measure_acceptance_refusals(records, tree):
+    one_line_error(lambda: measure_acceptance(records, tree))

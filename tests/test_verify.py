@@ -15,8 +15,10 @@ from specc.verify import (
     accept,
     accept_greedy,
     accept_sample,
+    accept_sample_sampled,
     reference_accept_greedy,
     reference_accept_sample,
+    reference_accept_sample_sampled,
     reference_sampling_probs,
     sampling_probs,
     tree_depth,
@@ -488,3 +490,244 @@ def test_export_matches_eager(paths):
         # greedy with argmax drafts accepts a full path
         n = exported(logits, tokens, children, torch.tensor(0.0), torch.tensor(1.0), uniforms)[0]
         assert int(n) == tree_depth(parents)
+
+
+# ---------------------------------------------------------------------------
+# sampled children (draft distribution q, i.i.d. siblings)
+# ---------------------------------------------------------------------------
+
+
+def _random_sampled_case(tree, seed, temperature, top_p):
+    """Random logits, draft rows q and children drawn from them (mostly)."""
+    parents, children, _ = tree
+    t = len(parents)
+    rng = np.random.default_rng(seed)
+    v = int(rng.integers(1, 11))
+    scale = float(rng.choice([0.5, 2.0, 4.0]))
+    logits = torch.tensor(rng.normal(size=(t, v)) * scale, dtype=torch.float32)
+    p = sampling_probs(logits, torch.tensor(temperature), torch.tensor(top_p))
+    has_kids = (children >= 0).any(dim=1).tolist()
+    q = torch.empty(t, v, dtype=torch.float32)
+    for i in range(t):
+        mode = int(rng.integers(0, 6))
+        if not has_kids[i] and mode == 0:
+            q[i] = float("nan")  # leaf rows are ignored
+        elif mode <= 1:  # a different distribution, zeros included
+            w = np.exp(rng.normal(size=v) * scale) * (rng.random(v) < 0.7)
+            w[int(rng.integers(0, v))] += 0.1
+            q[i] = torch.tensor(w, dtype=torch.float32)  # unnormalised on purpose
+        elif mode == 2:  # q == p exactly (rejection has probability 0)
+            q[i] = p[i]
+        elif mode == 3:  # one-hot (deterministic draft)
+            q[i] = 0.0
+            q[i, int(rng.integers(0, v))] = 1.0
+        elif mode == 4:  # uniform
+            q[i] = 1.0 / v
+        else:  # near p: a small perturbation
+            q[i] = p[i] * torch.tensor(np.exp(rng.normal(size=v) * 0.1), dtype=torch.float32)
+    tokens = [int(rng.integers(0, v))]
+    for i in range(1, t):
+        qp = q[parents[i]].double().numpy()
+        mode = int(rng.integers(0, 4))
+        if mode <= 1 and np.isfinite(qp).all() and qp.sum() > 0:
+            tokens.append(int(rng.choice(v, p=qp / qp.sum())))  # x ~ q
+        elif mode == 2:
+            tokens.append(int(torch.argmax(p[parents[i]])))
+        else:  # anything, q(x) == 0 included (a void draw)
+            tokens.append(int(rng.integers(0, v)))
+    uniforms = torch.tensor(rng.random(t + 1), dtype=torch.float32)
+    return logits, torch.tensor(tokens, dtype=torch.int64), q, uniforms
+
+
+@SETTINGS
+@given(
+    tree=tree_strategy(),
+    seed=st.integers(0, 2**32 - 1),
+    temperature=st.sampled_from([0.5, 1.0, 2.0]),
+    top_p=st.sampled_from([0.5, 0.9, 1.0]),
+)
+def test_sampled_matches_reference(tree, seed, temperature, top_p):
+    parents, children, _ = tree
+    logits, tokens, q, uniforms = _random_sampled_case(tree, seed, temperature, top_p)
+    args = (torch.tensor(temperature), torch.tensor(top_p), uniforms)
+    got = _as_tuple(accept_sample_sampled(logits, tokens, parents, children, q, *args))
+    ref = reference_accept_sample_sampled(logits, tokens, parents, children, q, temperature,
+                                          top_p, uniforms)
+    assert got == ref
+    _check_structure(got, parents, tokens.tolist(), tree_depth(parents))
+    # the final token has positive probability in the target distribution
+    final_node = got[1][got[0]]
+    p = sampling_probs(logits[final_node], args[0], args[1])
+    assert p[got[2][got[0]]] > 0
+    # every accepted draft had q(x) > 0 at its parent and p(x) > 0
+    for k in range(1, got[0] + 1):
+        par, x = got[1][k - 1], got[2][k - 1]
+        qrow = q[par]
+        assert qrow[x] > 0
+        assert sampling_probs(logits[par], args[0], args[1])[x] > 0
+    # the switch picks the sampled rule for temperature > 0 when q is given ...
+    assert _as_tuple(accept(logits, tokens, parents, children, *args, draft_probs=q)) == got
+    # ... and argmax matching for temperature <= 0
+    greedy = reference_accept_greedy(logits, tokens, parents, children)
+    for temp in (0.0, -1.0):
+        sw = accept(logits, tokens, parents, children, torch.tensor(temp), args[1], uniforms,
+                    draft_probs=q)
+        assert _as_tuple(sw) == greedy
+
+
+@SETTINGS
+@given(
+    depth=st.integers(0, 5),
+    seed=st.integers(0, 2**32 - 1),
+    temperature=st.sampled_from([0.5, 1.0, 2.0]),
+    top_p=st.sampled_from([0.5, 0.9, 1.0]),
+)
+def test_sampled_one_hot_chain_is_deterministic_rule(depth, seed, temperature, top_p):
+    # q one-hot at the child's token on a chain: the sampled rule IS the
+    # deterministic rule (accept with p(x), residual p without x)
+    parents, children, _ = build_tree([tuple([0] * depth)] if depth else [])
+    tree = (parents, children, None)
+    logits, tokens, _ = _random_sampling_case(tree, seed)
+    t, v = logits.shape
+    q = torch.zeros(t, v)
+    for i in range(1, t):
+        q[parents[i], tokens[i]] = 1.0
+    rng = np.random.default_rng(seed + 1)
+    uniforms = torch.tensor(rng.random(t + 1), dtype=torch.float32)
+    args = (torch.tensor(temperature), torch.tensor(top_p), uniforms)
+    got = _as_tuple(accept_sample_sampled(logits, tokens, parents, children, q, *args))
+    assert got == _as_tuple(accept_sample(logits, tokens, parents, children, *args))
+
+
+def test_sampled_degenerate_cases():
+    one, half = torch.tensor(1.0), torch.tensor(0.5)
+    # root -> three children; p = softmax(0) over 4 tokens = 1/4 each
+    parents, children, _ = build_tree([(0,), (1,), (2,)])
+    logits = torch.zeros(4, 4)
+
+    def run(tokens, q, u, top_p=one):
+        tokens = torch.tensor(tokens)
+        u = torch.tensor(u, dtype=torch.float32)
+        got = _as_tuple(accept_sample_sampled(logits, tokens, parents, children, q, one, top_p, u))
+        ref = reference_accept_sample_sampled(logits, tokens, parents, children, q, 1.0,
+                                              float(top_p), u)
+        assert got == ref
+        return got
+
+    # p == q: always accepted, even with u just below 1
+    top = float(np.nextafter(np.float32(1.0), np.float32(0.0)))
+    q = torch.full((4, 4), 0.25)
+    assert run([0, 2, 1, 3], q, [0.5, top, top, top, 0.5]) == (1, [0, 1], [2, 2])
+    # q(x) == 0 for the drawn token: void (neither accepted nor subtracted),
+    # even when p(x) > 0 and u == 0; the next sibling is tested against p itself
+    q = torch.tensor([[0.5, 0.5, 0.0, 0.0]] + [[0.25] * 4] * 3)
+    # child 1 token 2 void; child 2 token 0: u=0.6 < p/q = 0.5 false -> rejected,
+    # residual max(p - q, 0) = [0, 0, 1/2, 1/2]; child 3 token 1: p = 0 -> rejected,
+    # residual unchanged; final from [0, 0, 1/2, 1/2] with u=0.3 -> token 2
+    assert run([0, 2, 0, 1], q, [0.5, 0.0, 0.6, 0.0, 0.3]) == (0, [0, 0], [2, 2])
+    # void draw then accepted sibling (u*q = 0.4*0.5 < 1/4)
+    assert run([0, 3, 1, 0], q, [0.5, 0.0, 0.4, 0.0, 0.3]) == (1, [0, 2], [1, 1])
+    # duplicate siblings: a rejected token has residual 0 and its duplicate is
+    # rejected even with u = 0 (the residual update is applied again: unchanged)
+    assert run([0, 0, 0, 1], q, [0.5, 0.9, 0.0, 0.9, 0.99]) == (0, [0, 0], [3, 3])
+    # a token outside the target's top-p set (p(x) = 0) is never accepted;
+    # logits make p = [0, 0, 1, 0] after top-p 0.5
+    logits = torch.tensor([[0.0, 0.0, 3.0, 0.0]] + [[0.0] * 4] * 3)
+    q = torch.tensor([[0.25] * 4] * 4)
+    assert run([0, 0, 1, 3], q, [0.5, 0.0, 0.0, 0.0, 0.9], top_p=half) == (0, [0, 0], [2, 2])
+    # an all-zero q row: every draw is void, the final token comes from p
+    logits = torch.zeros(4, 4)
+    q = torch.zeros(4, 4)
+    assert run([0, 0, 1, 2], q, [0.5, 0.0, 0.0, 0.0, 0.6]) == (0, [0, 0], [2, 2])
+
+
+def test_sampled_residual_fallback():
+    from specc.verify import _sampled_residual
+
+    p = torch.tensor([0.25, 0.5, 0.25, 0.0])
+    # max(p - q, 0) == 0 (p == q, or q above p everywhere): keep p
+    assert torch.equal(_sampled_residual(p, p.clone()), p)
+    assert torch.equal(_sampled_residual(p, torch.tensor([0.3, 0.6, 0.3, 0.1])), p)
+    got = _sampled_residual(p, torch.tensor([0.5, 0.25, 0.0, 0.25]))
+    torch.testing.assert_close(got, torch.tensor([0.0, 0.5, 0.5, 0.0]))
+
+
+def test_sampled_leaf_rows_ignored():
+    parents, children, _ = build_tree([(0, 0), (0, 1), (1,)], "rbfs")
+    t, v = len(parents), 5
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(t, v, generator=gen)
+    q = torch.softmax(torch.randn(t, v, generator=gen), -1)
+    tokens = torch.randint(0, v, (t,), generator=gen)
+    leaves = ~(children >= 0).any(dim=1)
+    q_nan = q.clone()
+    q_nan[leaves] = float("nan")
+    for _ in range(20):
+        u = torch.rand(t + 1, generator=gen)
+        a = accept_sample_sampled(logits, tokens, parents, children, q, torch.tensor(1.0),
+                                  torch.tensor(1.0), u)
+        b = accept_sample_sampled(logits, tokens, parents, children, q_nan, torch.tensor(1.0),
+                                  torch.tensor(1.0), u)
+        assert _as_tuple(a) == _as_tuple(b)
+
+
+def test_sampled_bad_draft_shape():
+    parents, children, _ = build_tree([(0,)])
+    with pytest.raises(ValueError):
+        accept_sample_sampled(torch.zeros(2, 3), torch.tensor([0, 1]), parents, children,
+                              torch.zeros(2, 4), torch.tensor(1.0), torch.tensor(1.0),
+                              torch.rand(3))
+
+
+class AcceptSampledModule(torch.nn.Module):
+    def __init__(self, parents):
+        super().__init__()
+        self.parents = tuple(parents)
+
+    def forward(self, logits, tokens, children, draft_probs, temperature, top_p, uniforms):
+        return accept(logits, tokens, self.parents, children, temperature, top_p, uniforms,
+                      draft_probs=draft_probs)
+
+
+@pytest.mark.parametrize("paths", [[(0, 0, 1), (0, 1), (1,), (2, 0)], []])
+def test_export_sampled_matches_eager(paths):
+    parents, children, _ = build_tree(paths, "rbfs")
+    t, v = len(parents), 7
+    depth = tree_depth(parents)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(t, v, generator=gen) * 2
+    q = torch.softmax(torch.randn(t, v, generator=gen), -1)
+    tokens = torch.zeros(t, dtype=torch.int64)
+    for i in range(1, t):
+        tokens[i] = torch.multinomial(q[parents[i]], 1, generator=gen)[0]
+    uniforms = torch.rand(t + 1, generator=gen)
+    mod = AcceptSampledModule(parents)
+    example = (logits, tokens, children, q, torch.tensor(1.0), torch.tensor(0.9), uniforms)
+    ep = torch.export.export(mod, example, strict=False)
+    targets = {str(n.target) for n in ep.graph_module.graph.nodes}
+    assert any("cond" in s for s in targets)  # a run-time branch, not specialised
+    # static shapes: no symbolic size anywhere in the graph
+    for node in ep.graph_module.graph.nodes:
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else [val]
+        for item in vals:
+            if isinstance(item, torch.Tensor):
+                assert all(isinstance(d, int) for d in item.shape), node
+    out_shapes = [tuple(x.meta["val"].shape) for x in
+                  next(iter(n for n in ep.graph.nodes if n.op == "output")).args[0]]
+    assert out_shapes == [(), (depth + 1,), (depth + 1,)]
+    exported = ep.module()
+    for temp, top_p in [(0.0, 1.0), (1.0, 0.9), (0.7, 1.0), (2.0, 0.5)]:
+        for trial in range(3):
+            u = torch.rand(t + 1, generator=gen)
+            args = (logits, tokens, children, q, torch.tensor(temp), torch.tensor(top_p), u)
+            got = exported(*args)
+            want = mod(*args)
+            for a, b in zip(got, want):
+                assert a.dtype == b.dtype and torch.equal(a, b)
+            if temp > 0:
+                ref = reference_accept_sample_sampled(logits, tokens, parents, children, q,
+                                                      temp, top_p, u)
+            else:
+                ref = reference_accept_greedy(logits, tokens, parents, children)
+            assert _as_tuple(got) == ref

@@ -1,0 +1,34 @@
+"""specc.kernels: the custom ops the compiled graphs call, each a torch reference plus a Triton kernel.
+
+Importing this package registers the ops under the `specc` namespace:
+
+* ``torch.ops.specc.tree_attention(q, k_cache, v_cache, mask, scale)`` -- attention of the folded
+  GQA query rows over the static cache with an additive tree mask (tree_attention.py);
+* ``torch.ops.specc.tree_accept_greedy`` / ``tree_accept_sample`` -- acceptance of a draft tree
+  (tree_accept.py);
+* ``torch.ops.specc.compact_kv_`` -- the accepted path's K/V moved in place to consecutive slots
+  (compact_kv.py).
+
+On CPU tensors each op runs its torch reference; on CUDA tensors it runs the Triton kernel. Triton
+stays optional at run time: without it this package still imports, and CUDA calls fall back to the
+reference (correct, only slower). Triton has no CPU code generator, so the kernels are tested on
+CPU under ``TRITON_INTERPRET=1`` against the references (tests/test_kernels.py).
+
+The package lives inside specc/ rather than in a top-level kernels/ folder: transformers probes
+for an installed package named ``kernels``, and a top-level folder of that name shadows it
+whenever Python runs from the repository root.
+"""
+from __future__ import annotations
+
+from ._triton import HAS_TRITON
+from .compact_kv import compact_kv_reference, compact_kv_triton
+from .tree_accept import (accept_greedy_reference, accept_greedy_triton, accept_sample_reference,
+                          accept_sample_triton)
+from .tree_attention import tree_attention_reference, tree_attention_triton
+
+__all__ = [
+    "HAS_TRITON",
+    "tree_attention_reference", "tree_attention_triton",
+    "accept_greedy_reference", "accept_greedy_triton", "accept_sample_reference", "accept_sample_triton",
+    "compact_kv_reference", "compact_kv_triton",
+]

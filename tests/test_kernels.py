@@ -1,0 +1,471 @@
+"""specc.kernels: each Triton kernel, run by Triton's interpreter on CPU tensors, against its torch
+reference on random inputs; the custom ops' CPU dispatch, fake shapes and torch.export; and the
+passes that put the ops into the graphs (tree_attention, compact_kv)."""
+from __future__ import annotations
+
+import os
+
+# Before triton is first imported: @triton.jit decides at decoration time whether to interpret.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny import tiny_model  # noqa: E402
+
+import specc.kernels as K  # noqa: E402
+from specc.capture import NEG_INF, TargetModule, capture, causal_mask  # noqa: E402
+from specc.compiler import build_program, graph_plans  # noqa: E402
+from specc.kernels import compact_kv as compact_mod  # noqa: E402
+from specc.kernels import tree_accept as accept_mod  # noqa: E402
+from specc.kernels import tree_attention as attention_mod  # noqa: E402
+from specc.passes.tree_attention import SDPA, tree_attention  # noqa: E402
+from specc.tree import chain, topk, tree_from_paths  # noqa: E402
+from specc.verify import (accept_greedy, accept_sample, reference_accept_greedy, sampling_probs,  # noqa: E402
+                          tree_depth)
+
+ops = torch.ops.specc
+IRREGULAR = tree_from_paths([[0], [1], [2], [0, 0], [0, 1], [2, 0], [0, 0, 0], [2, 0, 0], [2, 0, 1]])
+
+
+def _interpreting() -> bool:
+    if not K.HAS_TRITON:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(attention_mod._tree_attention_kernel, InterpretedFunction)
+
+
+# False when another test module of this session imported triton first, without TRITON_INTERPRET:
+# then triton's own library functions are compile-only too, and the Triton tests below run in a
+# fresh interpreter process instead (test_interpreter_subprocess).
+INTERPRETING = _interpreting()
+NO_TRITON = "triton is not installed; the Triton kernels cannot run here (pip install triton)"
+
+
+@pytest.fixture
+def interpreted():
+    """For the tests that launch Triton kernels on CPU tensors (their names contain `triton`)."""
+    if not K.HAS_TRITON:
+        pytest.skip(NO_TRITON)
+    if not INTERPRETING:
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set; test_interpreter_subprocess runs this")
+
+
+def test_interpreter_subprocess():
+    if not K.HAS_TRITON:
+        pytest.skip(NO_TRITON)
+    if INTERPRETING:
+        pytest.skip("the Triton kernels ran under the interpreter in this process")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "triton and not subprocess"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# --------------------------------------------------------------------------- tree_attention
+
+
+def tree_mask(T: int, S: int, base: int, g: torch.Generator) -> torch.Tensor:
+    """[1, 1, T, S]: slots < base visible, then a random tree over slots base.. (each row sees itself
+    and a random subset of the earlier tree rows), NEG_INF elsewhere -- the shape tree_inputs builds."""
+    allowed = torch.zeros(T, S, dtype=torch.bool)
+    allowed[:, :base] = True
+    tri = torch.rand(T, T, generator=g) < 0.5
+    allowed[:, base:base + T] = torch.tril(tri, -1) | torch.eye(T, dtype=torch.bool)
+    return torch.where(allowed, 0.0, NEG_INF).view(1, 1, T, S)
+
+
+def attention_inputs(KV, G, T, S, D, dtype, seed, broadcast_mask=False, strided_q=False):
+    g = gen(seed)
+    M = G * T
+    if strided_q:  # rows interleaved with heads, as a transpose leaves them
+        q = torch.randn(1, M, KV, D, generator=g).transpose(1, 2)
+    else:
+        q = torch.randn(1, KV, M, D, generator=g)
+    k = torch.randn(1, KV, S, D, generator=g)
+    v = torch.randn(1, KV, S, D, generator=g)
+    if broadcast_mask:
+        mask = torch.where(torch.rand(1, 1, 1, S, generator=g) < 0.7, 0.0, NEG_INF)
+        mask[..., 0] = 0.0
+    else:
+        mask = tree_mask(T, S, S - T - int(torch.randint(0, S - T + 1, (), generator=g)), g).repeat(1, 1, G, 1)
+    return q.to(dtype), k.to(dtype), v.to(dtype), mask.to(dtype), float(D) ** -0.5
+
+
+TOL = {torch.float32: dict(atol=3e-5, rtol=1e-4), torch.float16: dict(atol=3e-3, rtol=3e-3),
+       torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+ATTENTION_CASES = [  # KV, G, T, S, D, dtype, broadcast mask, strided q
+    (1, 1, 1, 1, 8, torch.float32, False, False),
+    (3, 3, 1, 2048, 64, torch.float32, False, False),  # SmolLM2's heads, one decode row
+    (3, 3, 5, 301, 64, torch.bfloat16, False, False),
+    (2, 4, 5, 37, 24, torch.float16, False, True),
+    (1, 2, 33, 130, 80, torch.float32, False, True),  # M = 66: two row blocks; D padded to 128
+    (2, 1, 7, 200, 1, torch.float32, True, False),
+    (2, 3, 3, 70, 48, torch.bfloat16, True, False),
+]
+
+
+def random_attention_case(seed: int):
+    g = gen(1000 + seed)
+    r = lambda lo, hi: int(torch.randint(lo, hi + 1, (), generator=g))  # noqa: E731
+    T = r(1, 9)
+    return r(1, 3), r(1, 4), T, r(T, 160), r(1, 96), torch.float32, bool(seed % 3 == 0), bool(seed % 2)
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES + [random_attention_case(s) for s in range(6)], ids=str)
+def test_tree_attention_triton_matches_reference(interpreted, case):
+    KV, G, T, S, D, dtype, bmask, strided = case
+    q, k, v, mask, scale = attention_inputs(KV, G, T, S, D, dtype, seed=S * D + T, broadcast_mask=bmask,
+                                            strided_q=strided)
+    got = K.tree_attention_triton(q, k, v, mask, scale)
+    want = K.tree_attention_reference(q, k, v, mask, scale)
+    assert got.shape == want.shape == (1, KV, G * T, D) and got.dtype == dtype and got.is_contiguous()
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+def test_tree_attention_reference_is_block_sdpa():
+    """The reference is Block.forward's call: the same bits as SDPA on the folded rows, and the same
+    values as plain attention per query head over K/V repeated per group."""
+    KV, G, T, S, D = 2, 3, 4, 40, 16
+    q, k, v, mask, scale = attention_inputs(KV, G, T, S, D, torch.float32, seed=3)
+    out = ops.tree_attention(q, k, v, mask, scale)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale))
+    heads = q.reshape(1, KV * G, T, D)
+    rep = lambda x: x.repeat_interleave(G, dim=1)  # noqa: E731
+    plain = torch.softmax(heads @ rep(k).transpose(-1, -2) * scale + mask[:, :, :T], dim=-1) @ rep(v)
+    torch.testing.assert_close(out.reshape(1, KV * G, T, D), plain, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_attention_triton_launcher_refuses_bad_shapes(interpreted):
+    q, k, v, mask, scale = attention_inputs(2, 2, 3, 20, 8, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="kv heads"):
+        K.tree_attention_triton(q[:, :1], k, v, mask, scale)
+    with pytest.raises(ValueError, match="broadcast"):
+        K.tree_attention_triton(q, k, v, mask[..., :5], scale)
+    with pytest.raises(ValueError, match="float mask"):
+        K.tree_attention_triton(q, k, v, mask == 0, scale)
+
+
+# --------------------------------------------------------------------------- tree acceptance
+
+
+def random_tree(seed: int, nodes: int, extra_width: int = 0):
+    """Random parents (parents[i] < i) and the rank-ordered child table, -1 padded (maybe wider)."""
+    g = gen(seed)
+    parents = [-1] + [int(torch.randint(0, i, (), generator=g)) for i in range(1, nodes)]
+    kids = [[c for c in range(nodes) if parents[c] == i] for i in range(nodes)]
+    W = max(1, max(len(k) for k in kids)) + extra_width
+    table = torch.full((nodes, W), -1, dtype=torch.int64)
+    for i, k in enumerate(kids):
+        table[i, :len(k)] = torch.tensor(k, dtype=torch.int64)
+    return tuple(parents), table
+
+
+def named_tree(name):
+    t = {"topk2x2": topk(2, 2), "topk3x2": topk(3, 2), "topk2x3": topk(2, 3), "irregular": IRREGULAR,
+         "chain3": chain(3), "chain0": chain(0)}[name]
+    return t.parents, t.child_table()
+
+
+TREES = ["topk2x2", "topk3x2", "irregular", "chain3", "chain0", 11, 12, 13]
+
+
+def tree(name):
+    return named_tree(name) if isinstance(name, str) else random_tree(name, 6 + name % 7, extra_width=name % 2)
+
+
+def draft_tokens(parents, table, scores: torch.Tensor, seed: int, follow: float = 0.7) -> torch.Tensor:
+    """Random tokens, where with probability `follow` one child of each node carries the node's
+    highest-scoring token (so paths get accepted) and sometimes two siblings share a token."""
+    g = gen(seed)
+    T, V = scores.shape
+    tokens = torch.randint(0, V, (T,), generator=g)
+    best = scores.argmax(-1)
+    for i in range(T):
+        kids = [c for c in table[i].tolist() if c >= 0]
+        if kids and float(torch.rand((), generator=g)) < follow:
+            tokens[kids[int(torch.randint(0, len(kids), (), generator=g))]] = best[i]
+        if len(kids) > 1 and float(torch.rand((), generator=g)) < 0.2:
+            tokens[kids[1]] = tokens[kids[0]]
+    return tokens
+
+
+def as_tuple(res):
+    n, path, out = res
+    return int(n), path.tolist(), out.tolist()
+
+
+@pytest.mark.parametrize("name", TREES)
+@pytest.mark.parametrize("V,dtype", [(37, torch.float32), (2500, torch.float32), (300, torch.bfloat16)])
+def test_tree_accept_greedy_triton_matches_reference(interpreted, name, V, dtype):
+    parents, table = tree(name)
+    depth = tree_depth(parents)
+    T = len(parents)
+    seen = set()
+    for seed in range(3):
+        logits = torch.randn(T, V, generator=gen(seed)).to(dtype)  # continuous: no ties in fp32
+        tokens = draft_tokens(parents, table, logits.float(), seed)
+        ref = as_tuple(K.accept_greedy_reference(logits, tokens, table, depth))
+        assert ref == as_tuple(accept_greedy(logits, tokens, parents, table))
+        assert ref == reference_accept_greedy(logits, tokens, parents, table)
+        # A small block makes several blocks of a small vocabulary (the interpreter is slow on many).
+        for block in (1024, 16) if V < 100 else (1024,):
+            assert as_tuple(K.accept_greedy_triton(logits, tokens, table, depth, block_v=block)) == ref
+        seen.add(ref[0])
+    if depth > 0:
+        assert max(seen) > 0  # some draft was accepted
+
+
+def sample_case(name, V, seed):
+    parents, table = tree(name)
+    T = len(parents)
+    g = gen(100 + seed)
+    logits = 3 * torch.randn(T, V, generator=g)  # peaked: drafts of the top token get accepted
+    temperature = (0.7, 1.0, 1.5)[seed % 3]
+    top_p = (1.0, 0.9, 0.5)[seed % 3]
+    probs = sampling_probs(logits, torch.tensor(temperature), torch.tensor(top_p))
+    tokens = draft_tokens(parents, table, logits, seed, follow=0.8)
+    u = torch.rand(T + 1, generator=g)
+    if seed % 2:
+        u[:T] *= 0.2
+    return parents, table, logits, probs, tokens, u, temperature, top_p
+
+
+@pytest.mark.parametrize("name", TREES)
+@pytest.mark.parametrize("V", [37, 2500])
+def test_tree_accept_sample_triton_matches_reference(interpreted, name, V):
+    seen = set()
+    for seed in range(4):
+        parents, table, logits, probs, tokens, u, temp, top_p = sample_case(name, V, seed)
+        depth = tree_depth(parents)
+        ref = as_tuple(K.accept_sample_reference(probs, tokens, table, depth, u))
+        # The reference is accept_sample's rule on the processed probabilities, bit for bit.
+        assert ref == as_tuple(accept_sample(logits, tokens, parents, table, torch.tensor(temp),
+                                             torch.tensor(top_p), u))
+        for block in (1024, 16) if V < 100 else (1024,):
+            assert as_tuple(K.accept_sample_triton(probs, tokens, table, depth, u, block_v=block)) == ref
+        seen.add(ref[0])
+    if tree_depth(tree(name)[0]) > 0:
+        assert len(seen) > 1  # short and long acceptances
+
+
+def test_tree_accept_sample_triton_rejected_duplicates_and_residual(interpreted):
+    """Two siblings with one token: after the first is rejected its probability is 0, so the second is
+    rejected too, and the residual draw never returns it; the guard keeps a draw at u ~ 1 on mass."""
+    parents, table = named_tree("topk2x3")
+    T, V = len(parents), 50
+    probs = torch.zeros(T, V)
+    probs[:, :10] = torch.softmax(torch.randn(T, 10, generator=gen(5)), -1)  # mass on tokens 0..9 only
+    kids = table[0].tolist()
+    tokens = torch.zeros(T, dtype=torch.int64)
+    tokens[kids[0]] = tokens[kids[1]] = int(probs[0].argmax())
+    tokens[kids[2]] = 49  # probability 0: always rejected
+    for u_last in (0.0, 0.3, 0.999999):
+        u = torch.full((T + 1,), 0.9999)
+        u[T] = u_last
+        ref = as_tuple(K.accept_sample_reference(probs, tokens, table, 2, u))
+        assert ref[0] == 0 and ref[2][0] not in (int(tokens[kids[0]]), 49) and ref[2][0] < 10
+        assert as_tuple(K.accept_sample_triton(probs, tokens, table, 2, u, block_v=16)) == ref
+
+
+# --------------------------------------------------------------------------- compact_kv_
+
+
+def padded_paths(parents):
+    """Every accepted path the walk can return, padded to depth + 1 by repeating its last node."""
+    depth = tree_depth(parents)
+    out = []
+    for node in range(len(parents)):
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        path = path[::-1]
+        out.append(path + [path[-1]] * (depth + 1 - len(path)))
+    return out
+
+
+def sequential_compact(cache, src, dst):
+    """The op's definition, one slot after the other."""
+    for i, s in enumerate(src.tolist()):
+        cache[:, :, int(dst) + i] = cache[:, :, s]
+
+
+@pytest.mark.parametrize("name", ["topk2x2", "irregular", "chain3", 12])
+@pytest.mark.parametrize("KV,D", [(1, 1), (3, 5), (2, 64), (1, 200)])
+def test_compact_kv_triton_matches_reference(interpreted, name, KV, D):
+    parents, _ = tree(name)
+    T = len(parents)
+    for base in (0, 7):
+        S = base + T + 3
+        cache = torch.randn(1, KV, S, D, generator=gen(base + D))
+        for path in padded_paths(parents):
+            src = base + torch.tensor(path)
+            dst = torch.tensor(base)
+            want = cache.clone()
+            sequential_compact(want, src, dst)
+            ref = cache.clone()
+            K.compact_kv_reference(ref, src, dst)
+            assert torch.equal(ref, want)
+            got = cache.clone()
+            K.compact_kv_triton(got, src, dst, block_d=64)
+            assert torch.equal(got, want), path
+
+
+# --------------------------------------------------------------------------- custom ops
+
+
+def op_inputs():
+    q, k, v, mask, scale = attention_inputs(2, 3, 4, 40, 16, torch.float32, seed=1)
+    parents, table, logits, probs, tokens, u, _, _ = sample_case("irregular", 64, 1)
+    depth = tree_depth(parents)
+    cache = torch.randn(1, 2, 20, 8, generator=gen(2))
+    src = 4 + torch.tensor(padded_paths(parents)[-1])
+    return dict(attention=(q, k, v, mask, scale), greedy=(logits, tokens, table, depth),
+                sample=(probs, tokens, table, depth, u), compact=(cache, src, torch.tensor(4)))
+
+
+def test_custom_ops_on_cpu_run_the_references():
+    a = op_inputs()
+    assert torch.equal(ops.tree_attention(*a["attention"]), K.tree_attention_reference(*a["attention"]))
+    assert as_tuple(ops.tree_accept_greedy(*a["greedy"])) == as_tuple(K.accept_greedy_reference(*a["greedy"]))
+    assert as_tuple(ops.tree_accept_sample(*a["sample"])) == as_tuple(K.accept_sample_reference(*a["sample"]))
+    cache, src, dst = a["compact"]
+    want = cache.clone()
+    sequential_compact(want, src, dst)
+    assert ops.compact_kv_(cache, src, dst) is None
+    assert torch.equal(cache, want)  # in place
+
+
+@pytest.mark.parametrize("name,op", [("attention", "tree_attention"), ("greedy", "tree_accept_greedy"),
+                                     ("sample", "tree_accept_sample"), ("compact", "compact_kv_")])
+def test_custom_ops_opcheck(name, op):
+    """Schema (including the declared mutation of compact_kv_'s cache) and fake implementation."""
+    args = op_inputs()[name]
+    torch.library.opcheck(getattr(ops, op).default, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k, v, mask = torch.empty(1, 3, 15, 64), torch.empty(1, 3, 2048, 64), torch.empty(1, 3, 2048, 64), \
+            torch.empty(1, 1, 15, 2048)
+        out = ops.tree_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.125)
+        assert out.shape == (1, 3, 15, 64) and out.dtype == torch.bfloat16
+        table = torch.empty(9, 3, dtype=torch.int64)
+        for res in (ops.tree_accept_greedy(torch.empty(9, 49152), torch.empty(9, dtype=torch.int64), table, 3),
+                    ops.tree_accept_sample(torch.empty(9, 49152), torch.empty(9, dtype=torch.int64), table, 3,
+                                           torch.empty(10))):
+            assert [tuple(t.shape) for t in res] == [(), (4,), (4,)] and all(t.dtype == torch.int64 for t in res)
+        assert ops.compact_kv_(torch.empty(1, 3, 64, 64), torch.empty(4, dtype=torch.int64),
+                               torch.empty((), dtype=torch.int64)) is None
+        with pytest.raises(ValueError, match="broadcast"):
+            ops.tree_attention(q, k, v, torch.empty(1, 1, 15, 7), 0.125)
+
+
+class CallOps(nn.Module):
+    """Each op once; the cache is a buffer, as in the captured models."""
+
+    def __init__(self, cache):
+        super().__init__()
+        self.register_buffer("cache", cache.clone())
+
+    def forward(self, q, k, v, mask, logits, probs, tokens, table, u, src, dst):
+        att = ops.tree_attention(q, k, v, mask, 0.25)
+        n, path, out = ops.tree_accept_greedy(logits, tokens, table, 3)
+        n2, path2, out2 = ops.tree_accept_sample(probs, tokens, table, 3, u)
+        ops.compact_kv_(self.cache, src, dst)
+        return att * 2, n + n2, path, out2
+
+
+def test_export_keeps_the_ops_and_the_cache_mutation():
+    a = op_inputs()
+    q, k, v, mask, _ = a["attention"]
+    logits, tokens, table, depth = a["greedy"]
+    probs, _, _, _, u = a["sample"]
+    cache, src, dst = a["compact"]
+    assert depth == 3
+    args = (q, k, v, mask, logits, probs, tokens, table, u, src, dst)
+    ep = torch.export.export(CallOps(cache), args, strict=False)
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert {"specc.tree_attention.default", "specc.tree_accept_greedy.default", "specc.tree_accept_sample.default",
+            "specc.compact_kv_.default"} <= targets
+    # What AOTInductor lowers: the functional form, the cache write a buffer mutation of the program.
+    dec = ep.run_decompositions()
+    mutated = [s.target for s in dec.graph_signature.output_specs if s.kind.name == "BUFFER_MUTATION"]
+    assert mutated == ["cache"]
+    assert any("compact_kv_" in str(n.args) + str(n.kwargs)
+               for n in dec.graph.nodes if "auto_functionalized" in str(n.target))
+    mod = CallOps(cache)
+    want = mod(*args)
+    want_cache = mod.cache.clone()
+    for program in (ep, dec):
+        m = program.module()
+        m.cache.copy_(cache)
+        got = m(*args)
+        for x, y in zip(got, want):
+            assert torch.equal(x, y)
+        assert torch.equal(m.cache, want_cache)  # the exported program still writes its buffer
+
+
+# --------------------------------------------------------------------------- passes
+
+
+S = 40
+
+
+def count(ep, pred) -> int:
+    return sum(1 for n in ep.graph.nodes if n.op == "call_function" and pred(n.target))
+
+
+@pytest.mark.parametrize("arch,heads,kv", [("llama", 4, 2), ("qwen3", 4, 4)])
+@torch.no_grad()
+def test_tree_attention_pass_replaces_sdpa_and_keeps_values(arch, heads, kv):
+    model = tiny_model(arch, seed=4, heads=heads, kv_heads=kv)
+    T = 5
+    args = (torch.randint(0, 64, (1, T), generator=gen(0)), (torch.arange(T) + 3).view(1, T), torch.arange(T) + 3,
+            causal_mask(T, 3, S))
+    before = capture(TargetModule(model, S), args)
+    n_layers = model.config.num_hidden_layers
+    assert count(before, lambda t: t is SDPA) == n_layers  # what capture leaves in the graph
+    after = tree_attention(capture(TargetModule(model, S), args))
+    assert count(after, lambda t: t is SDPA) == 0
+    assert count(after, lambda t: t is ops.tree_attention.default) == n_layers
+    assert after.graph_signature.user_inputs == before.graph_signature.user_inputs
+    a, b = before.module(), after.module()
+    for call in range(2):  # twice: the second call attends over the first call's cache writes
+        x = tuple(t.clone() for t in args)
+        assert torch.equal(a(*x)[0], b(*x)[0]), call
+    # A retrace (what later passes do) keeps the op.
+    again = capture(after.module(), args)
+    assert count(again, lambda t: t is ops.tree_attention.default) == n_layers
+
+
+def test_graph_plans_run_the_kernel_passes():
+    tr = topk(2, 2)
+    plans = {p.name: p for p in graph_plans(tr, "ngram", 8, S)}
+    assert plans["step"].pipeline.names == ["tree_attention", "tree_inputs", "verify", "compact_kv"]
+    assert plans["plain"].pipeline.names == ["tree_attention", "tree_inputs", "verify", "compact_kv"]
+    assert "tree_attention" not in plans["prefill"].pipeline.names
+    ind = {p.name: p for p in graph_plans(tr, "ngram", 8, S, backend="inductor")}
+    assert ind["step"].pipeline.names == ["matvec", "tree_attention", "tree_inputs", "verify", "compact_kv"]
+    tm = TargetModule(tiny_model("llama", seed=2), S)
+    ep = build_program(plans["step"], tm)
+    n_layers = len(tm.blocks)
+    assert count(ep, lambda t: t is ops.tree_attention.default) == n_layers
+    assert count(ep, lambda t: t is ops.compact_kv_.default) == 2 * n_layers  # one per k and v cache
+    assert count(ep, lambda t: t is SDPA) == 0
