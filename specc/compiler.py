@@ -327,13 +327,7 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
         (stage / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
 
         # 6. Swap the finished directory into place.
-        if out.exists():
-            trash = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(trash)
-            stage.rename(out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            stage.rename(out)
+        _swap_into_place(stage, out)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
@@ -345,14 +339,19 @@ def _install_picked(picked: Path, out: Path, tree_spec: str, report: dict) -> Pa
     manifest = json.loads((picked / MANIFEST).read_text())
     manifest["tree"].update({"spec": tree_spec, **report})
     (picked / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+    _swap_into_place(picked, out)
+    return out
+
+
+def _swap_into_place(finished: Path, out: Path) -> None:
+    """Rename a finished engine directory to `out`, replacing an older engine there only at the end."""
     if out.exists():
         trash = out.parent / f".{out.name}.old-{os.getpid()}"
         out.rename(trash)
-        picked.rename(out)
+        finished.rename(out)
         shutil.rmtree(trash, ignore_errors=True)
     else:
-        picked.rename(out)
-    return out
+        finished.rename(out)
 
 
 def read_manifest(path) -> dict:

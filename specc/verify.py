@@ -274,24 +274,19 @@ def _inverse_cdf(p: Tensor, u: Tensor) -> Tensor:
     return torch.argmax(hit.to(torch.int64))
 
 
-def accept_sample(
-    logits: Tensor,
-    tokens: Tensor,
-    parents: Sequence[int],
-    children: Tensor,
-    temperature: Tensor,
-    top_p: Tensor,
-    uniforms: Tensor,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Lossless stochastic verification with sibling retry.  See module docstring."""
+def _sibling_walk(probs: Tensor, tokens: Tensor, parents: Sequence[int], children: Tensor, uniforms: Tensor,
+                  try_child) -> tuple[Tensor, Tensor, Tensor]:
+    """The walk both sampling rules share: from the root, try the current node's children in rank
+    order against the residual ``row`` of its target distribution; move to the first accepted one
+    (with that node's fresh ``p``); when all are rejected, draw the final token from the residual.
+
+    ``try_child(row, x, u, cur) -> (counts, ok, row_if_rejected)``: whether child token ``x`` is a
+    real trial, whether ``u`` accepts it, and the residual after a rejection."""
     depth, num_nodes, width = _tree_setup(tokens, parents, children)
-    device = logits.device
+    device = probs.device
     children = children.to(torch.int64)
     tokens = tokens.to(torch.int64)
     uniforms = uniforms.to(torch.float32)
-    probs = sampling_probs(logits, temperature, top_p)  # [T, V]
-    vocab = probs.shape[-1]
-    ar = torch.arange(vocab, device=device)
     valid_all = children >= 0
     child_idx = children.clamp(min=0)
 
@@ -308,16 +303,12 @@ def accept_sample(
         nxt = cur
         for w in range(width):
             c = kids[w]
-            x = _at(tokens, c)
-            px = _at(row, x)
-            s = row.sum()
-            ratio = px / torch.where(s > 0, s, torch.ones_like(s))
-            active = searching & valid[w] & ~accepted
-            ok = active & (_at(uniforms, c) < ratio)
-            rej = active & ~ok
+            counts, passes, rejected_row = try_child(row, _at(tokens, c), _at(uniforms, c), cur)
+            tried = searching & valid[w] & ~accepted & counts
+            ok = tried & passes
             nxt = torch.where(ok, c, nxt)
             accepted = accepted | ok
-            row = torch.where(rej & (ar == x), torch.zeros_like(row), row)
+            row = torch.where(tried & ~passes, rejected_row, row)
         cur = torch.where(accepted, nxt, cur)
         n = n + accepted.to(torch.int64)
         searching = accepted
@@ -325,6 +316,27 @@ def accept_sample(
         nodes.append(cur)
     bonus = _inverse_cdf(resid, uniforms[num_nodes])
     return _finish(nodes, n, tokens, bonus)
+
+
+def accept_sample(
+    logits: Tensor,
+    tokens: Tensor,
+    parents: Sequence[int],
+    children: Tensor,
+    temperature: Tensor,
+    top_p: Tensor,
+    uniforms: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Lossless stochastic verification with sibling retry.  See module docstring."""
+    probs = sampling_probs(logits, temperature, top_p)  # [T, V]
+    ar = torch.arange(probs.shape[-1], device=probs.device)
+
+    def one_hot_rule(row, x, u, cur):  # q = one-hot(x): accept with p(x), then p(x) = 0
+        s = row.sum()
+        ratio = _at(row, x) / torch.where(s > 0, s, torch.ones_like(s))
+        return torch.ones((), dtype=torch.bool, device=row.device), u < ratio, torch.where(ar == x, 0.0, row)
+
+    return _sibling_walk(probs, tokens, parents, children, uniforms, one_hot_rule)
 
 
 def _normalize_rows(q: Tensor) -> Tensor:
@@ -357,49 +369,17 @@ def accept_sample_sampled(
     renormalised here and rows of leaves are ignored.  Other arguments and
     the outputs are as for :func:`accept_sample`.
     """
-    depth, num_nodes, width = _tree_setup(tokens, parents, children)
     if tuple(draft_probs.shape) != tuple(logits.shape):
         raise ValueError("draft_probs must have the shape of logits, [T, V]")
-    device = logits.device
-    children = children.to(torch.int64)
-    tokens = tokens.to(torch.int64)
-    uniforms = uniforms.to(torch.float32)
     probs = sampling_probs(logits, temperature, top_p)  # [T, V]
     qs = _normalize_rows(draft_probs.to(torch.float32))  # [T, V]
-    valid_all = children >= 0
-    child_idx = children.clamp(min=0)
 
-    cur = torch.zeros((), dtype=torch.int64, device=device)
-    n = torch.zeros((), dtype=torch.int64, device=device)
-    searching = torch.ones((), dtype=torch.bool, device=device)
-    resid = probs[0]
-    nodes = [cur]
-    for _ in range(depth):
-        row = resid
-        q = _at(qs, cur)  # [V], the distribution of cur's children
-        kids = _at(child_idx, cur)  # [W]
-        valid = _at(valid_all, cur)  # [W]
-        accepted = torch.zeros((), dtype=torch.bool, device=device)
-        nxt = cur
-        for w in range(width):
-            c = kids[w]
-            x = _at(tokens, c)
-            px = _at(row, x)
-            qx = _at(q, x)
-            active = searching & valid[w] & ~accepted
-            drawn = active & (qx > 0)  # q(x) == 0: a void draw, skipped
-            ok = drawn & (_at(uniforms, c) * qx < px)
-            rej = drawn & ~ok
-            nxt = torch.where(ok, c, nxt)
-            accepted = accepted | ok
-            row = torch.where(rej, _sampled_residual(row, q), row)
-        cur = torch.where(accepted, nxt, cur)
-        n = n + accepted.to(torch.int64)
-        searching = accepted
-        resid = torch.where(accepted, _at(probs, cur), row)
-        nodes.append(cur)
-    bonus = _inverse_cdf(resid, uniforms[num_nodes])
-    return _finish(nodes, n, tokens, bonus)
+    def min_ratio_rule(row, x, u, cur):  # accept with min(1, p(x)/q(x)); then p = norm(max(p - q, 0))
+        q = _at(qs, cur)  # the distribution cur's children were drawn from
+        qx = _at(q, x)
+        return qx > 0, u * qx < _at(row, x), _sampled_residual(row, q)  # q(x) == 0: a void draw, skipped
+
+    return _sibling_walk(probs, tokens, parents, children, uniforms, min_ratio_rule)
 
 
 def accept(

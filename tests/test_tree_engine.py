@@ -26,6 +26,17 @@ def node_tokens(ranked, tree):
     return [ranked[tree.depths[i] - 1][tree.ranks[i]] for i in range(1, tree.size)]
 
 
+def mtp_target(tmp_path):
+    """A one-layer target with unit-RMS embeddings and MTP heads that copy its layer (mostly accepted)."""
+    model = tiny_model("llama", vocab=64, layers=1, seed=2)
+    with torch.no_grad():
+        w = model.model.embed_tokens.weight
+        w /= w.pow(2).mean(-1, keepdim=True).sqrt()
+    model.save_pretrained(tmp_path / "m")
+    dpath, heads = mtp_checkpoint(model, tmp_path / "mtp", "copy")
+    return model, dpath, heads
+
+
 def record_proposals(engine):
     engine.use_fused = False  # every step through the drafter's own graph (the fused step is checked against it)
     seen, real = [], engine.drafter.propose
@@ -65,12 +76,7 @@ def test_dflash_tree_drafts_are_ranked_candidates(tmp_path):
 def test_mtp_tree_drafts_are_ranked_candidates(tmp_path):
     from specc.mtp import cached_scheme_drafts
 
-    model = tiny_model("llama", vocab=64, layers=1, seed=2)
-    with torch.no_grad():
-        w = model.model.embed_tokens.weight
-        w /= w.pow(2).mean(-1, keepdim=True).sqrt()
-    model.save_pretrained(tmp_path / "m")
-    dpath, heads = mtp_checkpoint(model, tmp_path / "mtp", "copy")
+    model, dpath, heads = mtp_target(tmp_path)
     engine = specc.load(specc.compile(tmp_path / "m", drafter="mtp", drafter_path=dpath, tree=tree_file(tmp_path),
                                       output_dir=tmp_path / "e", max_len=64, prefill_chunk=8, progress=False))
     seen = record_proposals(engine)
@@ -107,12 +113,7 @@ def quick_calibration(monkeypatch):
 def test_sequoia_tree_from_calibration(tmp_path, quick_calibration):
     """sequoia:BUDGET measures acceptance on a comb tree and compiles the DP's tree; the manifest
     keeps the table, and greedy output still equals the target's."""
-    model = tiny_model("llama", vocab=64, layers=1, seed=2)
-    with torch.no_grad():
-        w = model.model.embed_tokens.weight
-        w /= w.pow(2).mean(-1, keepdim=True).sqrt()
-    model.save_pretrained(tmp_path / "m")
-    dpath, _ = mtp_checkpoint(model, tmp_path / "mtp", "copy")
+    model, dpath, _ = mtp_target(tmp_path)
     path = specc.compile(tmp_path / "m", drafter="mtp", drafter_path=dpath, tree="sequoia:6",
                          output_dir=tmp_path / "e", max_len=96, prefill_chunk=8, progress=False)
     tree = json.loads((path / "specc.json").read_text())["tree"]
@@ -125,12 +126,7 @@ def test_sequoia_tree_from_calibration(tmp_path, quick_calibration):
 
 
 def test_auto_reports_candidates(tmp_path, quick_calibration):
-    model = tiny_model("llama", vocab=64, layers=1, seed=2)
-    with torch.no_grad():
-        w = model.model.embed_tokens.weight
-        w /= w.pow(2).mean(-1, keepdim=True).sqrt()
-    model.save_pretrained(tmp_path / "m")
-    dpath, _ = mtp_checkpoint(model, tmp_path / "mtp", "copy")
+    model, dpath, _ = mtp_target(tmp_path)
     path = specc.compile(tmp_path / "m", drafter="mtp", drafter_path=dpath, tree="auto",
                          output_dir=tmp_path / "e", max_len=96, prefill_chunk=8, progress=False)
     tree = json.loads((path / "specc.json").read_text())["tree"]
@@ -159,15 +155,12 @@ def test_measured_tree_refusals(tmp_path):
 def test_fused_step_equals_unfused(tmp_path, kind, backend, tree):
     """One graph per step (verify, accept, compaction, drafter update and next drafts) gives exactly
     the tokens of the unfused path, greedy and sampling, and greedy equals the target's."""
-    model = tiny_model("llama", vocab=64, layers=1 if kind == "mtp" else 3, seed=2)
-    with torch.no_grad():
-        w = model.model.embed_tokens.weight
-        w /= w.pow(2).mean(-1, keepdim=True).sqrt()
-    model.save_pretrained(tmp_path / "m")
-    if kind == "dflash":
-        dpath, _ = random_dflash(model, tmp_path / "d", block=4)
+    if kind == "mtp":
+        model, dpath, _ = mtp_target(tmp_path)
     else:
-        dpath, _ = mtp_checkpoint(model, tmp_path / "d", "copy")
+        model = tiny_model("llama", vocab=64, layers=3, seed=2)
+        model.save_pretrained(tmp_path / "m")
+        dpath, _ = random_dflash(model, tmp_path / "d", block=4)
     path = specc.compile(tmp_path / "m", drafter=kind, drafter_path=dpath, tree=tree or tree_file(tmp_path),
                          backend=backend, output_dir=tmp_path / "e", max_len=96, prefill_chunk=8, progress=False)
     engine = specc.load(path)
