@@ -545,21 +545,7 @@ def reference_accept_sample(
         out.append(toks[nxt])
         cur = nxt
         p = reference_sampling_probs(rows[cur], temperature, top_p)
-    # inverse CDF on the residual
-    s = sum(p)
-    u = us[num_nodes]
-    last_nz = 0
-    for i, v in enumerate(p):
-        if v > 0:
-            last_nz = i
-    cum = 0.0
-    final = last_nz
-    for i, v in enumerate(p):
-        cum += v / s if s > 0 else 0.0
-        if cum > u or i >= last_nz:
-            final = i
-            break
-    out.append(final)
+    out.append(_reference_inverse_cdf(p, us[num_nodes]))  # the residual
     return _pad(path, out, depth)
 
 
