@@ -75,11 +75,12 @@ class Measured:
 def run_prompts(engine, prompts, new_tokens: int | None = None) -> Measured:
     """Greedy generation over the prompts (a first short warm-up call is not counted)."""
     chat = engine.tokenizer is not None and bool(getattr(engine.tokenizer, "chat_template", None))
-    engine.generate(prompts[0], max_new_tokens=4, chat=chat)
-    m = Measured()
     new_tokens = max(2, min(NEW_TOKENS if new_tokens is None else new_tokens, engine.max_len // 2))
-    for p in prompts:
-        ids = engine.encode(p, chat)[-(engine.max_len - new_tokens):]
+    # The prompt's tail, so that prompt + new tokens fit --max-len.
+    inputs = [engine.encode(p, chat)[-(engine.max_len - new_tokens):] for p in prompts]
+    engine.generate(inputs[0], max_new_tokens=4)
+    m = Measured()
+    for ids in inputs:
         res = engine.generate(ids, max_new_tokens=new_tokens, stop_at_eos=False)
         m.records += res.stats.rank_paths
         m.steps += res.stats.steps
@@ -123,6 +124,9 @@ def resolve(spec: str, drafter: str, build, depth_limit: int, work: Path, progre
     if spec.strip() != "auto":
         budget = int(spec.strip().partition(":")[2])
         tree = sequoia(acceptance, budget, depth)
+        if tree.size < 2:
+            raise SpeccError(f"--tree {spec.strip()} found no draft the target ever accepted on the calibration "
+                             f"prompts, so the best tree has no drafts; use --tree chain:K or no drafter.")
         report["expected_tokens"] = round(expected_tokens(tree, acceptance), 4)
         return tree, report, None
     return _auto(acceptance, depth, build, work, report, progress)

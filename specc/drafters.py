@@ -44,16 +44,8 @@ def ngram_propose(tokens: np.ndarray, k: int, max_ngram: int = 4, min_ngram: int
     """Prompt lookup: the k tokens that followed the most recent earlier occurrence of the longest
     suffix (max_ngram down to min_ngram tokens) of `tokens`. Fewer than k when the match runs into
     the end; empty when nothing matches."""
-    n = len(tokens)
-    for size in range(min(max_ngram, n - 1), min_ngram - 1, -1):
-        suffix = tokens[n - size:]
-        # windows[i] = tokens[i : i+size]; an earlier match must start at i < n - size.
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: n - 1], size)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + size
-            return tokens[start: start + k].tolist()
-    return []
+    found = ngram_continuations(tokens, k, max_ngram, min_ngram, limit=1)
+    return found[0] if found else []
 
 
 def ngram_continuations(tokens: np.ndarray, k: int, max_ngram: int = 4, min_ngram: int = 1,
@@ -64,6 +56,7 @@ def ngram_continuations(tokens: np.ndarray, k: int, max_ngram: int = 4, min_ngra
     n, found = len(tokens), []
     for size in range(min(max_ngram, n - 1), min_ngram - 1, -1):
         suffix = tokens[n - size:]
+        # windows[i] = tokens[i : i+size]; an earlier match must start at i < n - size.
         windows = np.lib.stride_tricks.sliding_window_view(tokens[: n - 1], size)
         for hit in np.flatnonzero((windows == suffix).all(axis=1))[::-1]:
             start = int(hit) + size
@@ -115,7 +108,7 @@ class NgramDrafter:
         if len(self.buf) < len(committed):
             self.buf = np.asarray(committed, dtype=np.int64)
         conts = ngram_continuations(self.buf, self.tree.max_depth, self.max_ngram, self.min_ngram,
-                                    1 if self.tree.is_chain else self.limit)
+                                    limit=1 if self.tree.is_chain else self.limit)
         return ngram_tree_drafts(conts, self.tree, committed[-1]), len(conts) > 0
 
     def accepted(self, committed: list[int], n_accepted: int) -> None:

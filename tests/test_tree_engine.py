@@ -177,3 +177,15 @@ def test_fused_step_equals_unfused(tmp_path, kind, backend, tree):
     assert [r.stats.accepted_hist for r in runs[True]] == [r.stats.accepted_hist for r in runs[False]]
     assert runs[True][0].token_ids == hf_greedy(model, PROMPT, 24)
     assert len(calls) == sum(r.stats.steps for r in runs[True])  # every step ran the fused graph
+
+
+def test_sequoia_refuses_when_nothing_was_accepted(tmp_path, monkeypatch):
+    import specc.calibrate as cal
+
+    model = tiny_model("llama", vocab=64, layers=1, seed=2)
+    model.save_pretrained(tmp_path / "m")
+    monkeypatch.setattr(cal, "measure", lambda *a, **k: ([[0.0] * 4] * 3, 3, {}))
+    with pytest.raises(SpeccError, match="no draft the target ever accepted"):
+        specc.compile(tmp_path / "m", drafter="ngram", tree="sequoia:4", output_dir=tmp_path / "e", progress=False)
+    assert not (tmp_path / "e").exists()
+    assert [p.name for p in tmp_path.iterdir() if ".calibrate-" in p.name] == []
