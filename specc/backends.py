@@ -99,14 +99,22 @@ def lift(ep: torch.export.ExportedProgram, state: dict[str, torch.Tensor], examp
         return torch.export.export(Lifted(module, names), (sub, *example_args), strict=False), sub
 
 
+def _kernel_sources() -> str:
+    """The specc ops are triton_ops whose bodies Inductor inlines (the acceptance ops' CPU bodies are
+    the walks of verify.py): their source is part of the compiled code."""
+    here = Path(__file__).parent
+    return "".join(p.read_text() for p in sorted((here / "kernels").glob("*.py")) + [here / "verify.py"])
+
+
 def cache_key(lifted_ep: torch.export.ExportedProgram, sub: dict, example_args: tuple) -> str:
     """What the compiled code depends on: graph text, shapes, dtypes, versions, and the exact bytes
-    of the graph's own constants (tree masks, child tables) -- not the engine's weights, which are inputs."""
+    of the graph's own constants (tree masks, child tables), the kernels' source (inlined) -- not the
+    engine's weights, which are inputs."""
     h = hashlib.sha256()
     for part in (lifted_ep.graph_module.code,
                  repr([(k, tuple(v.shape), str(v.dtype)) for k, v in sub.items()]),
                  repr([(tuple(a.shape), str(a.dtype)) for a in example_args]),
-                 torch.__version__, "specc-aoti-2"):
+                 torch.__version__, "specc-aoti-3", _kernel_sources()):
         h.update(part.encode())
     for name, c in sorted(lifted_ep.constants.items()):
         h.update(name.encode())

@@ -235,6 +235,12 @@ def accept_greedy(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Greedy verification (argmax match).  See module docstring."""
     depth, _, _ = _tree_setup(tokens, parents, children)
+    return greedy_walk(logits, tokens, children, depth)
+
+
+def greedy_walk(logits: Tensor, tokens: Tensor, children: Tensor, depth: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`accept_greedy` given the tree's depth instead of its parents (what the
+    ``specc::tree_accept_greedy`` op computes off CUDA)."""
     device = logits.device
     children = children.to(torch.int64)
     tokens = tokens.to(torch.int64)
@@ -274,7 +280,7 @@ def _inverse_cdf(p: Tensor, u: Tensor) -> Tensor:
     return torch.argmax(hit.to(torch.int64))
 
 
-def _sibling_walk(probs: Tensor, tokens: Tensor, parents: Sequence[int], children: Tensor, uniforms: Tensor,
+def _sibling_walk(probs: Tensor, tokens: Tensor, children: Tensor, depth: int, uniforms: Tensor,
                   try_child) -> tuple[Tensor, Tensor, Tensor]:
     """The walk both sampling rules share: from the root, try the current node's children in rank
     order against the residual ``row`` of its target distribution; move to the first accepted one
@@ -282,7 +288,7 @@ def _sibling_walk(probs: Tensor, tokens: Tensor, parents: Sequence[int], childre
 
     ``try_child(row, x, u, cur) -> (counts, ok, row_if_rejected)``: whether child token ``x`` is a
     real trial, whether ``u`` accepts it, and the residual after a rejection."""
-    depth, num_nodes, width = _tree_setup(tokens, parents, children)
+    num_nodes, width = tokens.shape[0], children.shape[1]
     device = probs.device
     children = children.to(torch.int64)
     tokens = tokens.to(torch.int64)
@@ -328,7 +334,14 @@ def accept_sample(
     uniforms: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Lossless stochastic verification with sibling retry.  See module docstring."""
-    probs = sampling_probs(logits, temperature, top_p)  # [T, V]
+    depth, _, _ = _tree_setup(tokens, parents, children)
+    return one_hot_walk(sampling_probs(logits, temperature, top_p), tokens, children, depth, uniforms)
+
+
+def one_hot_walk(probs: Tensor, tokens: Tensor, children: Tensor, depth: int,
+                 uniforms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`accept_sample` on given target probabilities ``[T, V]`` and the tree's depth (what the
+    ``specc::tree_accept_sample`` op computes off CUDA)."""
     ar = torch.arange(probs.shape[-1], device=probs.device)
 
     def one_hot_rule(row, x, u, cur):  # q = one-hot(x): accept with p(x), then p(x) = 0
@@ -336,7 +349,7 @@ def accept_sample(
         ratio = _at(row, x) / torch.where(s > 0, s, torch.ones_like(s))
         return torch.ones((), dtype=torch.bool, device=row.device), u < ratio, torch.where(ar == x, 0.0, row)
 
-    return _sibling_walk(probs, tokens, parents, children, uniforms, one_hot_rule)
+    return _sibling_walk(probs.to(torch.float32), tokens, children, depth, uniforms, one_hot_rule)
 
 
 def _normalize_rows(q: Tensor) -> Tensor:
@@ -379,7 +392,8 @@ def accept_sample_sampled(
         qx = _at(q, x)
         return qx > 0, u * qx < _at(row, x), _sampled_residual(row, q)  # q(x) == 0: a void draw, skipped
 
-    return _sibling_walk(probs, tokens, parents, children, uniforms, min_ratio_rule)
+    depth, _, _ = _tree_setup(tokens, parents, children)
+    return _sibling_walk(probs, tokens, children, depth, uniforms, min_ratio_rule)
 
 
 def accept(
@@ -420,11 +434,16 @@ def accept(
              uniforms.to(torch.float32), draft_probs.to(torch.float32)),
         )
 
+    # The deterministic rules run as the specc ops: the Triton kernels on CUDA, these walks elsewhere.
+    from specc import kernels  # noqa: F401  (registers torch.ops.specc)
+
+    depth, _, _ = _tree_setup(tokens, parents, children)
+
     def _sample(lg, tk, ch, t, tp, u):
-        return accept_sample(lg, tk, parents, ch, t, tp, u)
+        return tuple(torch.ops.specc.tree_accept_sample(sampling_probs(lg, t, tp), tk, ch, depth, u))
 
     def _greedy(lg, tk, ch, t, tp, u):
-        return accept_greedy(lg, tk, parents, ch)
+        return tuple(torch.ops.specc.tree_accept_greedy(lg, tk, ch, depth))
 
     return _branch(
         temperature > 0,

@@ -469,3 +469,31 @@ def test_graph_plans_run_the_kernel_passes():
     assert count(ep, lambda t: t is ops.tree_attention.default) == n_layers
     assert count(ep, lambda t: t is ops.compact_kv_.default) == 2 * n_layers  # one per k and v cache
     assert count(ep, lambda t: t is SDPA) == 0
+    # The verify pass decides acceptance with the accept ops, inside the branches of its torch.cond.
+    branches = [m for m in ep.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
+    called = {str(n.target) for m in branches for n in m.graph.nodes if n.op == "call_function"}
+    assert {"specc.tree_accept_greedy.default", "specc.tree_accept_sample.default"} <= called
+
+
+def test_aoti_inlines_the_ops(tmp_path):
+    """The ops are triton_ops: AOTInductor traces into their bodies, so the compiled CPU graph runs
+    native code for them (no call back into Python through the proxy executor) and gives the
+    eager values."""
+    import zipfile
+
+    a = op_inputs()
+    q, k, v, mask, _ = a["attention"]
+    logits, tokens, table, _ = a["greedy"]
+    probs, _, _, _, u = a["sample"]
+    cache, src, dst = a["compact"]
+    args = (q, k, v, mask, logits, probs, tokens, table, u, src, dst)
+    ep = torch.export.export(CallOps(cache), args, strict=False)
+    pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "ops.pt2"))
+    code = "".join(zipfile.ZipFile(pkg).read(n).decode(errors="ignore")
+                   for n in zipfile.ZipFile(pkg).namelist() if n.endswith(".cpp"))
+    assert "proxy_executor_call_function" not in code and "specc::" not in code
+    want = CallOps(cache)(*args)
+    got = torch._inductor.aoti_load_package(pkg)(*args)
+    assert torch.allclose(got[0], want[0], atol=1e-5)
+    for x, y in zip(got[1:], want[1:]):
+        assert torch.equal(x, y)

@@ -1,5 +1,8 @@
-"""Optional Triton import shared by the kernel modules."""
+"""Optional Triton import shared by the kernel modules, and what the op bodies need to be traced."""
 from __future__ import annotations
+
+import torch
+from torch.library import wrap_triton  # noqa: F401  (re-exported: launches that Inductor can trace)
 
 try:
     import triton
@@ -15,6 +18,11 @@ def require_triton(what: str) -> None:
     if triton is None:
         raise RuntimeError(f"{what} needs Triton, which is not installed; the torch reference serves CPU "
                            f"tensors and CUDA tensors without it.")
+
+
+def traced(x: torch.Tensor) -> bool:
+    """True when an op body sees a fake or functional tensor (export, Inductor), not a real one."""
+    return type(x) is not torch.Tensor and not isinstance(x, torch.nn.Parameter)
 
 
 def next_pow2(n: int) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import next_pow2, require_triton, tl, triton
+from ._triton import next_pow2, require_triton, tl, traced, triton, wrap_triton
 
 
 def _check(cache: Tensor, src_slots: Tensor, dst_start: Tensor) -> None:
@@ -67,25 +67,18 @@ def compact_kv_triton(cache: Tensor, src_slots: Tensor, dst_start: Tensor, block
     # The kernel reads both index tensors through pointers: they must live beside the cache.
     src_slots = src_slots.to(cache.device).contiguous()
     dst_start = dst_start.to(cache.device)
-    _compact_kv_kernel[(KV, triton.cdiv(D, block_d))](cache, src_slots, dst_start, n, D, cache.stride(1),
-                                                       cache.stride(2), cache.stride(3), BLOCK_D=block_d)
+    grid = (KV, triton.cdiv(D, block_d))
+    wrap_triton(_compact_kv_kernel)[grid](cache, src_slots, dst_start, n, D, cache.stride(1), cache.stride(2),
+                                          cache.stride(3), BLOCK_D=block_d)
 
 
-@torch.library.custom_op("specc::compact_kv_", mutates_args=("cache",))
+@torch.library.triton_op("specc::compact_kv_", mutates_args=("cache",))
 def compact_kv_(cache: Tensor, src_slots: Tensor, dst_start: Tensor) -> None:
-    """In-place KV compaction (see the module docstring for the order and its precondition)."""
-    # Checked by the fake implementation when a graph is traced; this runs once per cache per step.
-    compact_kv_reference(cache, src_slots, dst_start)
-
-
-@compact_kv_.register_kernel("cuda")
-def _compact_kv_cuda(cache, src_slots, dst_start):
-    if triton is None:
-        compact_kv_reference(cache, src_slots, dst_start)
-    else:
+    """In-place KV compaction (see the module docstring for the order and its precondition). A
+    `triton_op`, as tree_attention: compiled graphs inline the kernel (CUDA) or the reference (CPU)."""
+    if traced(cache):  # checked once when a graph is traced; eagerly this runs per cache per step
+        _check(cache, src_slots, dst_start)
+    if cache.device.type == "cuda" and triton is not None:
         compact_kv_triton(cache, src_slots, dst_start)
-
-
-@compact_kv_.register_fake
-def _compact_kv_fake(cache, src_slots, dst_start):
-    _check(cache, src_slots, dst_start)
+    else:
+        compact_kv_reference(cache, src_slots, dst_start)

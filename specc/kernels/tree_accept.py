@@ -37,9 +37,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specc.verify import _inverse_cdf
+from specc.verify import _inverse_cdf, greedy_walk, one_hot_walk
 
-from ._triton import next_pow2, require_triton, tl, triton
+from ._triton import next_pow2, require_triton, tl, triton, wrap_triton
 
 
 def _check(scores: Tensor, tokens: Tensor, children: Tensor, depth: int, uniforms: Tensor | None = None) -> None:
@@ -252,9 +252,9 @@ def accept_greedy_triton(logits: Tensor, tokens: Tensor, children: Tensor, depth
     children = children.to(torch.int64).contiguous()
     target = torch.empty(T, dtype=torch.int64, device=logits.device)
     block_v = min(block_v, next_pow2(V))
-    _row_argmax_kernel[(T,)](logits, target, V, logits.stride(0), BLOCK_V=block_v)
+    wrap_triton(_row_argmax_kernel)[(T,)](logits, target, V, logits.stride(0), BLOCK_V=block_v)
     n, path, out = _outputs(depth, logits.device)
-    _greedy_walk_kernel[(1,)](target, tokens, children, n, path, out, depth, children.shape[1])
+    wrap_triton(_greedy_walk_kernel)[(1,)](target, tokens, children, n, path, out, depth, children.shape[1])
     return n, path, out
 
 
@@ -270,49 +270,29 @@ def accept_sample_triton(probs: Tensor, tokens: Tensor, children: Tensor, depth:
     uniforms = uniforms.to(torch.float32).contiguous()
     sums = torch.empty(T, dtype=torch.float32, device=probs.device)
     block_v = min(block_v, next_pow2(V))
-    _row_sum_kernel[(T,)](probs, sums, V, probs.stride(0), BLOCK_V=block_v)
+    wrap_triton(_row_sum_kernel)[(T,)](probs, sums, V, probs.stride(0), BLOCK_V=block_v)
     n, path, out = _outputs(depth, probs.device)
-    _sample_walk_kernel[(1,)](probs, sums, tokens, children, uniforms, n, path, out, T, V, probs.stride(0), depth,
-                              children.shape[1], BLOCK_V=block_v)
+    wrap_triton(_sample_walk_kernel)[(1,)](probs, sums, tokens, children, uniforms, n, path, out, T, V,
+                                           probs.stride(0), depth, children.shape[1], BLOCK_V=block_v)
     return n, path, out
 
 
-@torch.library.custom_op("specc::tree_accept_greedy", mutates_args=())
+# triton_ops, as tree_attention: compiled graphs inline the kernels (CUDA) or the vectorised walks of
+# specc.verify (elsewhere), which give the references' bits on CPU.
+@torch.library.triton_op("specc::tree_accept_greedy", mutates_args=())
 def tree_accept_greedy(logits: Tensor, tokens: Tensor, children: Tensor, depth: int) -> tuple[Tensor, Tensor, Tensor]:
     """Greedy acceptance: specc.verify.accept_greedy's semantics (see the module docstring)."""
     _check(logits, tokens, children, depth)
-    return accept_greedy_reference(logits, tokens, children, depth)
+    if logits.device.type == "cuda" and triton is not None:
+        return accept_greedy_triton(logits, tokens, children, depth)
+    return greedy_walk(logits, tokens, children, depth)
 
 
-@tree_accept_greedy.register_kernel("cuda")
-def _tree_accept_greedy_cuda(logits, tokens, children, depth):
-    if triton is None:
-        return accept_greedy_reference(logits, tokens, children, depth)
-    return accept_greedy_triton(logits, tokens, children, depth)
-
-
-@tree_accept_greedy.register_fake
-def _tree_accept_greedy_fake(logits, tokens, children, depth):
-    _check(logits, tokens, children, depth)
-    return _outputs(depth, logits.device)
-
-
-@torch.library.custom_op("specc::tree_accept_sample", mutates_args=())
+@torch.library.triton_op("specc::tree_accept_sample", mutates_args=())
 def tree_accept_sample(probs: Tensor, tokens: Tensor, children: Tensor, depth: int,
                        uniforms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Stochastic acceptance with sibling retry: specc.verify.accept_sample's rule on given probs."""
     _check(probs, tokens, children, depth, uniforms)
-    return accept_sample_reference(probs, tokens, children, depth, uniforms)
-
-
-@tree_accept_sample.register_kernel("cuda")
-def _tree_accept_sample_cuda(probs, tokens, children, depth, uniforms):
-    if triton is None:
-        return accept_sample_reference(probs, tokens, children, depth, uniforms)
-    return accept_sample_triton(probs, tokens, children, depth, uniforms)
-
-
-@tree_accept_sample.register_fake
-def _tree_accept_sample_fake(probs, tokens, children, depth, uniforms):
-    _check(probs, tokens, children, depth, uniforms)
-    return _outputs(depth, probs.device)
+    if probs.device.type == "cuda" and triton is not None:
+        return accept_sample_triton(probs, tokens, children, depth, uniforms)
+    return one_hot_walk(probs, tokens, children, depth, uniforms)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._triton import next_pow2, require_triton, tl, triton
+from ._triton import next_pow2, require_triton, tl, traced, triton, wrap_triton
 
 
 def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor) -> None:
@@ -129,7 +129,7 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Ten
     dot_f32 = q.dtype == torch.bfloat16 and q.device.type != "cuda"
     precision = "ieee" if q.dtype == torch.float32 or dot_f32 else "tf32"  # tf32 is ignored for 16-bit inputs
     grid = (KV, triton.cdiv(M, block_m))
-    _tree_attention_kernel[grid](
+    wrap_triton(_tree_attention_kernel)[grid](
         q, k_cache, v_cache, mask, out, float(scale), M, S, D,
         q.stride(1), q.stride(2), q.stride(3), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(1), v_cache.stride(2), v_cache.stride(3), mask.stride(2), mask.stride(3),
@@ -138,22 +138,15 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Ten
     return out
 
 
-@torch.library.custom_op("specc::tree_attention", mutates_args=())
+@torch.library.triton_op("specc::tree_attention", mutates_args=())
 def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """Attention of the folded query rows over the static cache (see the module docstring)."""
-    # Shapes are checked by the fake implementation when a graph is traced, not here: this runs
-    # once per layer per step, and the check would cost as much as the attention of a decode step.
+    """Attention of the folded query rows over the static cache (see the module docstring).
+
+    A `triton_op`: Inductor and AOTInductor trace into this body instead of calling the op through
+    Python. On CUDA they embed the Triton kernel in the compiled graph; on CPU they compile the SDPA
+    reference natively."""
+    if traced(q):  # shapes are checked once when a graph is traced; eagerly this runs per layer per step
+        _check(q, k_cache, v_cache, mask)
+    if q.device.type == "cuda" and triton is not None:
+        return tree_attention_triton(q, k_cache, v_cache, mask, scale)
     return tree_attention_reference(q, k_cache, v_cache, mask, scale)
-
-
-@tree_attention.register_kernel("cuda")
-def _tree_attention_cuda(q, k_cache, v_cache, mask, scale):
-    if triton is None:
-        return tree_attention_reference(q, k_cache, v_cache, mask, scale)
-    return tree_attention_triton(q, k_cache, v_cache, mask, scale)
-
-
-@tree_attention.register_fake
-def _tree_attention_fake(q, k_cache, v_cache, mask, scale):
-    _check(q, k_cache, v_cache, mask)
-    return q.new_empty(q.shape)
