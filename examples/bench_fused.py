@@ -2,11 +2,22 @@
 
 Fused: one graph call per step (verify, accept, KV compaction, drafter update, next drafts).
 Unfused: the same engine's separate target step graph and drafter step graph, with the host
-gathering the accepted rows in between. Both run on the same prompts, alternating per prompt,
-with plain decoding through the same engine beside them; the tokens must be identical.
+gathering the accepted rows in between. Plain decoding through the same engine runs beside them;
+the tokens must be identical.
 
-Usage: python examples/bench_fused.py [--configs dflash=chain:3,mtp=chain:1] [--limit 3]
-           [--max-new-tokens 256] [--dataset mt-bench] [--out BENCHMARKS.md]
+The difference is small on a CPU (a graph call and a gather, against 20-45 ms of verify), smaller
+than the drift between runs, so the design is paired: every prompt runs fused and unfused back to
+back, `--rounds` times, with the order swapped every round. The figure is the median over those
+pairs of unfused / fused decode time per step (prefill excluded; both paths take the same steps,
+since their tokens are identical), with the share of pairs in which fused was faster.
+
+A second measure isolates the step itself: after a prompt's prefill, the fused step (one graph
+call) and the unfused step (target step graph, the runtime's gather of the accepted rows, the
+drafter's proposal through its own graph) alternate call by call `--calls` times on the same
+cache, so slow drift of the machine cancels; medians of the per-call times.
+
+Usage: python examples/bench_fused.py [--configs dflash=chain:3,mtp=chain:1] [--limit 8] [--rounds 3]
+           [--calls 200] [--max-new-tokens 128] [--dataset mt-bench] [--out BENCHMARKS.md]
 """
 import argparse
 import datetime
@@ -14,18 +25,56 @@ import os
 import platform
 import statistics
 import sys
+import time
 
 import torch
 
 import specc
 from specc.data import load_prompts
+from specc.runtime import tap_rows
+
+
+def decode_ms_per_step(r) -> float:
+    return 1000 * (r.stats.wall_s - r.stats.prefill_s) / r.stats.steps
+
+
+def step_calls(engine, ids: list[int], calls: int) -> tuple[float, float]:
+    """Median ms of one fused step call and of one unfused step (as the runtime makes them),
+    alternating call by call after a prefill of `ids`."""
+    engine.generate(ids, max_new_tokens=2, stop_at_eos=False)  # the caches now hold the prompt
+    graphs, drafter, T = engine.graphs, engine.drafter, engine.tree.size
+    base = len(ids)
+    tokens = torch.tensor([ids[-1]] * T)
+    args = lambda: (tokens, torch.tensor(base), torch.tensor(0.0), torch.tensor(1.0), torch.rand(T + 1))  # noqa: E731
+
+    def fused():
+        n, path, out, drafts = graphs["fused"](*args())
+        return int(n), drafts.tolist()
+
+    def unfused():
+        n, path, out, *taps = graphs["step"](*args())
+        n = int(n)
+        drafter.start(ids, 0.0, 1.0)  # nothing pending: this step's rows are the ones to flush
+        drafter.add_rows(tap_rows(taps, path[: n + 1]), base)
+        return drafter.propose(ids + [ids[-1]] * (n + 2))  # a row for every committed token but the last
+
+    times = {fused: [], unfused: []}
+    for i in range(calls + 5):
+        for fn in ((fused, unfused) if i % 2 == 0 else (unfused, fused)):
+            t = time.perf_counter()
+            fn()
+            if i >= 5:  # the first calls warm up
+                times[fn].append(1000 * (time.perf_counter() - t))
+    return statistics.median(times[fused]), statistics.median(times[unfused])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="dflash=chain:3,mtp=chain:1")
-    ap.add_argument("--limit", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--dataset", default="mt-bench")
     ap.add_argument("--engines", default="engines/bench-fused")
     ap.add_argument("--out", default="BENCHMARKS.md")
@@ -34,17 +83,20 @@ def main() -> int:
     lines = [f"\n## Fused decode step vs unfused, {datetime.date.today().isoformat()}\n",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} (CPU), "
              f"{torch.get_num_threads()} threads. SmolLM2-135M-Instruct with the shipped drafters, fp32, inductor, "
-             f"greedy, {a.max_new_tokens} new tokens, first {a.limit} {a.dataset} prompts (chat template), EOS ignored; "
-             f"warm-up excluded; the three methods alternate per prompt; medians over prompts.\n",
+             f"greedy, {a.max_new_tokens} new tokens, first {a.limit} {a.dataset} prompts (chat template), EOS "
+             f"ignored, warm-up excluded. Each prompt runs fused and unfused back to back {a.rounds} times (order "
+             f"swapped each round), then plain. Speedup: median over the {a.limit * a.rounds} pairs of unfused / "
+             f"fused decode ms per step (prefill excluded).\n",
              f"```\n{cmd}\n```\n",
-             "| drafter | tree | fused tokens/s | unfused tokens/s | fused vs unfused | plain tokens/s | fused vs plain "
-             "| ms/step fused | ms/step unfused | tau | identical tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| drafter | tree | decode ms/step fused | decode ms/step unfused | fused speedup (median of pairs) "
+             "| pairs fused faster | step call fused (ms) | step call unfused (ms) | step call speedup "
+             "| fused tokens/s | plain tokens/s | fused vs plain | tau | identical tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     prompts = load_prompts(a.dataset, a.limit)
     for item in a.configs.split(","):
         kind, _, tree = item.partition("=")
         path = specc.compile(None, drafter=kind, tree=tree, backend="inductor",
-                             output_dir=f"{a.engines}/{kind}-{tree.replace(':', '')}", max_len=1024)
+                             output_dir=f"{a.engines}/{kind}-{tree.replace(':', '').replace(',', '-')}", max_len=1024)
         engine = specc.load(path)
         ids = [engine.encode(p, chat=True) for p in prompts]
 
@@ -54,25 +106,31 @@ def main() -> int:
 
         for mode in ("fused", "unfused", "plain"):  # warm-up
             run(ids[0], mode, 8)
-        tps = {m: [] for m in ("fused", "unfused", "plain")}
-        step_ms = {m: [] for m in ("fused", "unfused")}
-        same, tau = 0, []
+        ms = {"fused": [], "unfused": []}
+        ratios, tps, plain_tps, tau, same = [], [], [], [], 0
         for x in ids:
             outs = {}
-            for mode in tps:
-                r = run(x, mode, a.max_new_tokens)
-                tps[mode].append(r.stats.tokens_per_s)
-                outs[mode] = r.token_ids
-                if mode in step_ms:
-                    step_ms[mode].append(1000 * (r.stats.wall_s - r.stats.prefill_s) / r.stats.steps)
-                if mode == "fused":
-                    tau.append(r.stats.tau)
-            same += outs["fused"] == outs["unfused"] == outs["plain"]
-        med = {m: statistics.median(v) for m, v in tps.items()}
-        lines.append(f"| {kind} | {tree} | {med['fused']:.2f} | {med['unfused']:.2f} | {med['fused'] / med['unfused']:.3f}x "
-                     f"| {med['plain']:.2f} | {med['fused'] / med['plain']:.2f}x | "
-                     f"{statistics.median(step_ms['fused']):.1f} | {statistics.median(step_ms['unfused']):.1f} | "
-                     f"{statistics.median(tau):.2f} | {same}/{len(ids)} |")
+            for rnd in range(a.rounds):
+                pair = {}
+                for mode in (("fused", "unfused") if rnd % 2 == 0 else ("unfused", "fused")):
+                    r = run(x, mode, a.max_new_tokens)
+                    pair[mode] = decode_ms_per_step(r)
+                    ms[mode].append(pair[mode])
+                    outs[mode] = r.token_ids
+                    if mode == "fused":
+                        tps.append(r.stats.tokens_per_s)
+                        tau.append(r.stats.tau)
+                ratios.append(pair["unfused"] / pair["fused"])
+            r = run(x, "plain", a.max_new_tokens)
+            plain_tps.append(r.stats.tokens_per_s)
+            same += outs["fused"] == outs["unfused"] == r.token_ids
+        med = statistics.median
+        faster = sum(q > 1 for q in ratios)
+        call_f, call_u = step_calls(engine, ids[0], a.calls)
+        lines.append(f"| {kind} | {tree} | {med(ms['fused']):.2f} | {med(ms['unfused']):.2f} | {med(ratios):.3f}x "
+                     f"| {faster}/{len(ratios)} | {call_f:.2f} | {call_u:.2f} | {call_u / call_f:.3f}x "
+                     f"| {med(tps):.2f} | {med(plain_tps):.2f} | "
+                     f"{med(tps) / med(plain_tps):.2f}x | {med(tau):.2f} | {same}/{len(ids)} |")
         print(lines[-1], flush=True)
     with open(a.out, "a") as f:
         f.write("\n".join(lines) + "\n\n")

@@ -1,6 +1,7 @@
-"""Check and time specc's Triton kernels on a CUDA machine (H100/H200), against their torch references.
+"""Check and time specc's Triton kernels on a CUDA machine (H100/H200), then time the fused decode step.
 
-    python examples/gpu_check.py [--json results.json] [--trials 20]
+    python examples/gpu_check.py [--json results.json] [--trials 20] [--layers 30] [--skip-kernels]
+    python examples/gpu_check.py --device cpu --layers 2 --skip-kernels    # a dry run of the engine part
 
 Shapes are SmolLM2-135M's: 9 query heads over 3 kv heads, head size 64, a static cache of 2048
 slots, trees of T = 1, 4, 8, 16, 32 nodes, a vocabulary of 49152. For each kernel it reports the
@@ -9,6 +10,13 @@ number of mismatching results (acceptance, compaction: these must be exact), and
 the op as the compiled graphs call it (torch.ops.specc.*, dispatching to Triton on CUDA) next to
 its torch reference, measured with triton.testing.do_bench. Prints a markdown table; exits 1 if a
 check fails. Runs in about a minute (most of it Triton compiling the kernels).
+
+Then the engine: a target with SmolLM2-135M's shapes and random weights (no checkpoint can be
+carried to the GPU machine), a random one-layer DFlash drafter, `--tree chain:3`, compiled with
+the inductor backend for the GPU in bf16. Random drafts are almost never accepted, so every step
+commits about one token; what is measured is the decode time per step of plain decoding (the
+one-token graph), of the unfused speculative step (target step graph, then the drafter's graph)
+and of the fused step (one graph), alternating per prompt, medians over prompts and rounds.
 """
 from __future__ import annotations
 
@@ -27,7 +35,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="also write the rows and the environment to this file")
     ap.add_argument("--trials", type=int, default=20, help="random trees per acceptance/compaction check")
+    ap.add_argument("--device", default="cuda", help="where the engine part runs (cpu: a dry run, no kernels)")
+    ap.add_argument("--layers", type=int, default=30, help="target layers (SmolLM2-135M has 30)")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--skip-kernels", action="store_true")
     args = ap.parse_args()
+    if args.device == "cpu":
+        start = time.time()
+        engine = time_engine(args)
+        print_engine(engine, time.time() - start)
+        return 0
     if not torch.cuda.is_available():
         print("gpu_check needs a CUDA GPU and this machine has none; the CPU tests (tests/test_kernels.py) "
               "check the kernels under TRITON_INTERPRET=1 instead.", file=sys.stderr)
@@ -46,7 +65,7 @@ def main() -> int:
     dev = torch.device("cuda")
     ops = torch.ops.specc
     KV, G, D, S, V = 3, 3, 64, 2048, 49152
-    Ts = (1, 4, 8, 16, 32)
+    Ts = () if args.skip_kernels else (1, 4, 8, 16, 32)  # every kernel check loops over these
     rows, failed = [], []
     start = time.time()
 
@@ -178,6 +197,11 @@ def main() -> int:
         row("compact_kv_", f"cache[1,{KV},{S},{D}] n={len(path)}", torch.bfloat16, f"mismatches {bad}/{args.trials}",
             bad == 0, lambda: ops.compact_kv_(a, src, dst), lambda: K.compact_kv_reference(b, src, dst))
 
+    engine = None
+    try:
+        engine = time_engine(args)
+    except Exception as e:  # the kernel table above still counts; say what broke
+        failed.append(f"engine: {type(e).__name__}: {e}")
     wall = time.time() - start
     print()
     print("| kernel | shape | dtype | check | ok | Triton (us) | torch (us) | speedup |")
@@ -188,16 +212,89 @@ def main() -> int:
     print(f"\n{len(rows) - len(failed)}/{len(rows)} checks passed in {wall:.0f} s. Torch columns: SDPA with the float "
           f"mask; specc.verify.accept_greedy (vectorised); the Python reference walks for sampling; "
           f"index_select + index_copy_ for compaction.")
+    if engine is not None:
+        print_engine(engine, wall)
     if args.json:
         env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "python": platform.python_version(), "wall_s": round(wall, 1)}
         with open(args.json, "w") as f:
-            json.dump({"environment": env, "rows": rows, "failed": failed}, f, indent=1)
+            json.dump({"environment": env, "rows": rows, "engine": engine, "failed": failed}, f, indent=1)
     if wall > MAX_SECONDS:
         print(f"warning: took {wall:.0f} s, over the {MAX_SECONDS} s budget", file=sys.stderr)
     for f in failed:
         print(f"FAILED: {f}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def time_engine(args) -> dict:
+    """Compile the random SmolLM2-shaped engine for args.device and time plain, unfused and fused steps."""
+    import statistics
+    import tempfile
+    from pathlib import Path
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import specc
+    from specc.dflash import DFlashDrafter, dflash_config_for, save_dflash
+
+    tmp = Path(tempfile.mkdtemp(prefix="specc-gpu-check-"))
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers,
+                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                      rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
+                      eos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp / "target")
+    save_dflash(DFlashDrafter(dflash_config_for(cfg, num_layers=1, block_size=4, num_taps=2, mask_token_id=0)),
+                tmp / "dflash")
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    print(f"\n# engine: random SmolLM2-shaped target ({args.layers} layers), DFlash chain:3, inductor, {dtype}, "
+          f"{args.device}", flush=True)
+    t0 = time.time()
+    path = specc.compile(tmp / "target", drafter="dflash", drafter_path=tmp / "dflash", tree="chain:3",
+                         backend="inductor", device=args.device, dtype=dtype, max_len=1024,
+                         output_dir=tmp / "engine", progress=False)
+    compile_s = time.time() - t0
+    print(f"  compiled in {compile_s:.0f} s", flush=True)
+    engine = specc.load(path)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, cfg.vocab_size, (64,), generator=g).tolist() for _ in range(args.prompts)]
+    modes = ("plain", "unfused", "fused")
+
+    def run(ids, mode, n):
+        engine.use_fused = mode == "fused"
+        return engine.generate(ids, max_new_tokens=n, speculate=mode != "plain", stop_at_eos=False)
+
+    for mode in modes:  # warm-up
+        run(prompts[0], mode, 8)
+    ms = {m: [] for m in modes}
+    tau, same = [], 0
+    for rnd in range(args.rounds):
+        for ids in prompts:
+            outs = {}
+            for mode in (modes if rnd % 2 == 0 else modes[::-1]):
+                r = run(ids, mode, args.new_tokens)
+                ms[mode].append(1000 * (r.stats.wall_s - r.stats.prefill_s) / r.stats.steps)
+                outs[mode] = r.token_ids
+                if mode == "fused":
+                    tau.append(r.stats.tau)
+            same += outs["plain"] == outs["unfused"] == outs["fused"]
+    med = {m: statistics.median(v) for m, v in ms.items()}
+    return {"device": args.device, "layers": args.layers, "dtype": dtype, "compile_s": round(compile_s, 1),
+            "new_tokens": args.new_tokens, "runs_per_mode": len(ms["fused"]),
+            "ms_per_step": {m: round(v, 3) for m, v in med.items()}, "tau": round(statistics.median(tau), 3),
+            "identical_runs": f"{same}/{len(prompts) * args.rounds}"}
+
+
+def print_engine(e: dict, wall: float) -> None:
+    ms = e["ms_per_step"]
+    print(f"\n| decode step ({e['device']}, {e['dtype']}, {e['layers']} layers) | ms/step | vs plain |")
+    print("|---|---:|---:|")
+    for mode, label in (("plain", "plain decoding (one-token graph)"), ("unfused", "unfused: step graph + drafter graph"),
+                        ("fused", "fused: one graph")):
+        print(f"| {label} | {ms[mode]:.3f} | {ms[mode] / ms['plain']:.2f}x |")
+    print(f"\nfused vs unfused: {ms['unfused'] / ms['fused']:.3f}x per step; tau {e['tau']} (random drafts); "
+          f"identical tokens in {e['identical_runs']} prompt runs (bf16 near-ties of a random model may differ); "
+          f"compile {e['compile_s']} s; whole script {wall:.0f} s.")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ class CompactKV(nn.Module):
         self.depth = depth
         self.cache_names = [n for n, _ in inner.named_buffers() if n.endswith(("k_cache", "v_cache"))]
 
-    def forward(self, tokens, base_len, temperature, top_p, uniforms):
-        n, path, out, *taps = self.inner(tokens, base_len, temperature, top_p, uniforms)
+    def forward(self, tokens, base_len, *rest):  # rest: temperature, top_p, uniforms (+ draft_q, sampled children)
+        n, path, out, *taps = self.inner(tokens, base_len, *rest)
         # Slot base_len + i receives node path[i]: an accepted node's index is at least its depth, and
         # the padding repeats the last node, so the op's in-place precondition holds (specc/kernels/compact_kv.py).
         src = base_len + path

@@ -40,6 +40,48 @@ def check_backend(name: str) -> None:
                          "use --backend inductor or eager.")
 
 
+def check_device(device: str) -> str:
+    """The device an engine runs on: cpu, or cuda[:N] where this machine has that GPU."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise SpeccError(f"--device {device!r} is not a device; use cpu or cuda (cuda:N for one of several GPUs).") \
+            from None
+    if d.type not in ("cpu", "cuda"):
+        raise SpeccError(f"--device {device}: specc engines run on cpu or cuda.")
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise SpeccError(f"--device {device} needs a CUDA GPU and a CUDA build of torch; this machine has none "
+                         f"(torch {torch.__version__}).")
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        raise SpeccError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s).")
+    return str(d)
+
+
+def move_states(states: dict[str, dict[str, torch.Tensor]], device: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Each graph's tensors on `device`. A tensor that several dicts hold (a shared head, a cache both
+    the step and the fused graph write) stays one tensor there, so every graph still sees its writes."""
+    if torch.device(device).type == "cpu":
+        return states
+    moved: dict[int, torch.Tensor] = {}
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in moved:
+            moved[id(t)] = t.detach().to(device)
+        return moved[id(t)]
+
+    return {name: {k: move(t) for k, t in state.items()} for name, state in states.items()}
+
+
+def on_device(ep: torch.export.ExportedProgram, device: str) -> torch.export.ExportedProgram:
+    """The program with its constants and the devices written into its nodes (arange, zeros) on `device`.
+    Programs are captured on CPU; this is how an engine's graphs reach a GPU."""
+    if torch.device(device).type == "cpu":
+        return ep
+    from torch.export.passes import move_to_device_pass
+
+    return move_to_device_pass(ep, device)
+
+
 def state_names(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, str]:
     """Map each of the module's parameter/buffer names that the engine owns to its canonical name."""
     names = {}

@@ -36,7 +36,7 @@ def cmd_compile(a) -> int:
 
     out = specc.compile(a.model, drafter=a.drafter, tree=a.tree, backend=a.backend, output_dir=a.output,
                         drafter_path=a.drafter_path, drafter_layers=a.drafter_layers, dtype=a.dtype,
-                        block_size=a.block_size,
+                        block_size=a.block_size, device=a.device, children=a.children,
                         max_len=a.max_len, prefill_chunk=a.prefill_chunk, dump_ir=a.dump_ir,
                         progress=not a.json)
     manifest = json.loads((out / "specc.json").read_text())
@@ -47,7 +47,7 @@ def cmd_compile(a) -> int:
                           "graphs": manifest["graphs"]}))
     else:
         print(f"compiled {manifest['target']['name']} with drafter {a.drafter}, tree {manifest['tree']['spec']} "
-              f"({len(manifest['tree']['paths'])} nodes), backend {a.backend} -> {out}")
+              f"({len(manifest['tree']['paths'])} nodes), backend {a.backend} on {manifest['device']} -> {out}")
         for line in tree_report_lines(manifest["tree"]):
             print("  " + line)
         for name, g in manifest["graphs"].items():
@@ -200,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft-model: use the first N layers (of the target when no --drafter-path)")
     c.add_argument("--tree", default=None, help="chain:K | topk:DEPTH,WIDTH | sequoia:BUDGET | auto | FILE.json")
     c.add_argument("--backend", default="eager", help="eager | inductor | onnx | tensorrt")
+    c.add_argument("--device", default="cpu", help="cpu | cuda[:N]: where the engine runs (inductor compiles for it)")
+    c.add_argument("--children", default="topk",
+                   help="topk (each node's children are the drafter's top-k) | sampled (dflash, mtp: at temperature "
+                        "> 0 children are i.i.d. draws from the drafter's distribution, verified with min(1, p/q))")
     c.add_argument("--dtype", default="float32")
     c.add_argument("--max-len", type=int, default=1024)
     c.add_argument("--prefill-chunk", type=int, default=32)

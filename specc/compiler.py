@@ -17,7 +17,8 @@ import torch
 from tqdm import tqdm
 
 from . import __version__
-from .backends import EagerGraph, InductorGraph, check_backend, compile_inductor
+from .backends import (EagerGraph, InductorGraph, check_backend, check_device, compile_inductor, move_states,
+                       on_device)
 from .capture import TargetModule, capture, causal_mask, sliding_window_limit
 from .dflash import DFlashStep, check_fits, load_dflash, save_dflash
 from .drafters import DraftModelDrafter, HiddenStateDrafter, NgramDrafter, check_drafter
@@ -45,6 +46,20 @@ DEFAULT_TREE = {"none": "chain:0", "ngram": "chain:4", "draft-model": "chain:4",
                 "mtp": "chain:1"}
 
 
+@dataclass(frozen=True)
+class SampledChildren:
+    """An engine whose drafter samples each node's children i.i.d. (`--children sampled`): its
+    drafter graphs return q [q_rows, vocab] beside the drafts and take q_rows * width uniforms; its
+    step graph takes that q and verifies with the min(1, p/q) rule."""
+    q_rows: int  # one drafter distribution per depth (MTP) or block position (DFlash)
+    vocab: int
+    width: int  # draws per distribution: the tree's widest rank + 1
+
+    @property
+    def uniforms(self) -> int:
+        return self.q_rows * self.width
+
+
 @dataclass
 class GraphPlan:
     name: str
@@ -52,6 +67,7 @@ class GraphPlan:
     T: int  # tokens per call
     pipeline: Pipeline
     fuse: tuple[str, str, str] | None = None  # (verify graph, drafter graph, drafter kind) for fuse_step
+    sampled: SampledChildren | None = None  # for fuse_step: the extra inputs and outputs
 
 
 def fused_state(target_state: dict, draft_state: dict) -> dict:
@@ -59,23 +75,25 @@ def fused_state(target_state: dict, draft_state: dict) -> dict:
     return {**target_state, **{f"draft.{k}": v for k, v in draft_state.items()}}
 
 
-def graph_plans(tree: Tree, drafter: str, chunk: int, cache_len: int, backend: str = "eager") -> list[GraphPlan]:
+def graph_plans(tree: Tree, drafter: str, chunk: int, cache_len: int, backend: str = "eager",
+                sampled: SampledChildren | None = None) -> list[GraphPlan]:
     """Which graphs an engine holds, and the passes that make each one from the captured model."""
     def start() -> Pipeline:
         # Inductor only: it turns few-row products into streaming reductions; eager would materialise them.
         return Pipeline().add("matvec", matvec) if backend == "inductor" else Pipeline()
 
-    def decode(t: Tree) -> Pipeline:
+    def decode(t: Tree, q: SampledChildren | None = None) -> Pipeline:
         # tree_attention: the specc op runs SDPA itself on CPU and the Triton kernel on CUDA.
+        q_shape = (q.q_rows, q.vocab) if q else (None, None)
         return (start().add("tree_attention", tree_attention)
                 .add("tree_inputs", lambda ep: tree_inputs(ep, t, cache_len))
-                .add("verify", lambda ep: verify(ep, t)).add("compact_kv", lambda ep: compact_kv(ep, t)))
+                .add("verify", lambda ep: verify(ep, t, *q_shape)).add("compact_kv", lambda ep: compact_kv(ep, t)))
 
     prefill = (start().add("tree_inputs", lambda ep: tree_inputs(ep, chain(chunk - 1), cache_len))
                .add("sample_last", sample_last))
     plans = [GraphPlan("prefill", "target", chunk, prefill), GraphPlan("plain", "target", 1, decode(chain(0)))]
     if drafter != "none":
-        plans.append(GraphPlan("step", "target", tree.size, decode(tree)))
+        plans.append(GraphPlan("step", "target", tree.size, decode(tree, sampled)))
     if drafter == "draft-model":
         plans.append(GraphPlan("draft_prefill", "draft", chunk, prefill))
         plans.append(GraphPlan("draft_step", "draft", 1, decode(chain(0))))
@@ -88,7 +106,8 @@ def graph_plans(tree: Tree, drafter: str, chunk: int, cache_len: int, backend: s
         plans.append(GraphPlan("mtp_prefill", "mtp", chunk, start()))
         plans.append(GraphPlan("mtp_step", "mtp", tree.size, start()))
     if drafter in ("dflash", "mtp"):
-        plans.append(GraphPlan("fused", "fused", tree.size, Pipeline(), fuse=("step", f"{drafter}_step", drafter)))
+        plans.append(GraphPlan("fused", "fused", tree.size, Pipeline(), fuse=("step", f"{drafter}_step", drafter),
+                               sampled=sampled))
     return plans
 
 
@@ -98,7 +117,8 @@ def build_program(plan: GraphPlan, module, dump_dir: Path | None = None, built: 
     T = plan.T
     if plan.fuse is not None:
         verify_name, draft_name, kind = plan.fuse
-        ep = fuse_step(built[verify_name], built[draft_name], kind, tree)
+        q = plan.sampled
+        ep = fuse_step(built[verify_name], built[draft_name], kind, tree, q and (q.q_rows, q.vocab, q.uniforms))
         return plan.pipeline.run(ep, dump_dir=dump_dir, label=plan.name)
     if isinstance(module, DFlashStep):  # (taps [R, L*H], ctx_start, n_ctx, anchor)
         width = module.drafter.fc.in_features
@@ -111,6 +131,8 @@ def build_program(plan: GraphPlan, module, dump_dir: Path | None = None, built: 
     else:
         args = (torch.zeros(1, T, dtype=torch.int64), torch.arange(T).view(1, T), torch.arange(T),
                 causal_mask(T, 0, module.cache_len))
+    if getattr(module, "sampled", False):  # sampled children: (temperature, top_p, uniforms) too
+        args += (torch.tensor(0.0), torch.tensor(1.0), torch.zeros(module.q_rows * module.width))
     ep = capture(module, args)
     return plan.pipeline.run(ep, dump_dir=dump_dir, label=plan.name)
 
@@ -129,9 +151,18 @@ def _drafter_model(drafter: str, drafter_path, drafter_layers, target, dtype):
     return d.model, n, {"source": "model", "layers": n, "name": d.name}
 
 
-def _mtp_step(heads, target_module: TargetModule, cache_len: int, tree: Tree) -> MTPStep:
+def _mtp_step(heads, target_module: TargetModule, cache_len: int, tree: Tree, sampled: bool = False) -> MTPStep:
     t = target_module
-    return MTPStep(heads, t.embed_tokens, t.norm, t.w_head, t.rotary_emb, cache_len, tree.max_depth, tree)
+    return MTPStep(heads, t.embed_tokens, t.norm, t.w_head, t.rotary_emb, cache_len, tree.max_depth, tree, sampled)
+
+
+def _sampled_children(draft_module, vocab: int) -> SampledChildren | None:
+    if not getattr(draft_module, "sampled", False):
+        return None
+    return SampledChildren(draft_module.q_rows, vocab, draft_module.width)
+
+
+CHILDREN = ("topk", "sampled")
 
 
 def _target_taps(entry: dict, num_layers: int) -> tuple[int, ...]:
@@ -153,8 +184,9 @@ def _eos_ids(model) -> list[int]:
 def compile(model=None, drafter: str = "none", tree: str | None = None, backend: str = "eager",
             output_dir=None, drafter_path=None, drafter_layers: int | None = None, dtype: str = "float32",
             max_len: int = 1024, prefill_chunk: int = 32, dump_ir=None, progress: bool = True,
-            block_size: int | None = None) -> Path:
-    """Compile MODEL (HF dir, .gguf, or None for the embedded default) into an engine directory."""
+            block_size: int | None = None, device: str = "cpu", children: str = "topk") -> Path:
+    """Compile MODEL (HF dir, .gguf, or None for the embedded default) into an engine directory that
+    runs on `device` (inductor graphs are compiled for it; an eager engine loads anywhere)."""
     # 1. Check every argument before any slow work.
     if output_dir is None:
         raise SpeccError("an output directory is required (-o DIR).")
@@ -163,6 +195,12 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
         raise SpeccError(f"output {str(out)!r} exists and is not a specc engine directory; refusing to overwrite it.")
     check_backend(backend)
     check_drafter(drafter)
+    device = check_device(device)
+    if children not in CHILDREN:
+        raise SpeccError(f"--children {children!r} is unknown; use topk or sampled.")
+    if children == "sampled" and drafter not in ("dflash", "mtp"):
+        raise SpeccError("--children sampled draws drafts from the drafter's distribution over tokens; use it with "
+                         "--drafter dflash or mtp.")
     torch_dtype = parse_dtype(dtype)
     if not 2 <= max_len <= 1 << 20:
         raise SpeccError(f"--max-len {max_len} is out of range; use a length from 2 to 1048576.")
@@ -208,7 +246,7 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
     if measured:
         def build(tree_file, backend_, engine_dir):
             compile(model, drafter, tree_file, backend_ or backend, engine_dir, drafter_path, drafter_layers, dtype,
-                    max_len, prefill_chunk, None, False, block_size)
+                    max_len, prefill_chunk, None, False, block_size, device, children)
             return load(engine_dir)
 
         limit = calibrate.max_depth(drafter, (block_size or dflash.config.block_size) if dflash else None)
@@ -252,12 +290,13 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
         draft_entry.update(info)
         draft_hf = hf if info["source"] == "model" else None
     elif drafter == "dflash":
-        draft_module = DFlashStep(dflash, target_module.embed_tokens, target_module.w_head, cache_len, block_size, tr)
+        draft_module = DFlashStep(dflash, target_module.embed_tokens, target_module.w_head, cache_len, block_size, tr,
+                                  sampled=children == "sampled")
         c = dflash.config
         draft_entry.update({"block_size": block_size, "trained_block_size": c.block_size, "num_layers": c.num_layers,
                             "target_layer_ids": c.target_layer_ids, "mask_token_id": c.mask_token_id})
     elif drafter == "mtp":
-        draft_module = _mtp_step(heads, target_module, cache_len, tr)
+        draft_module = _mtp_step(heads, target_module, cache_len, tr, sampled=children == "sampled")
         c = heads.config
         draft_entry.update({"depth": tr.max_depth, "trained_depth": c.depth, "num_modules": c.num_modules,
                             "order": c.order, "feedback": c.feedback, "has_final_norm": c.has_final_norm})
@@ -269,8 +308,17 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
-        plans = graph_plans(tr, drafter, prefill_chunk, cache_len, backend)
+        sampled = _sampled_children(draft_module, target_module.vocab_size)
+        if drafter in ("dflash", "mtp"):
+            draft_entry["children"] = children
+        if sampled is not None:
+            draft_entry.update({"q_rows": sampled.q_rows, "width": sampled.width})
+        plans = graph_plans(tr, drafter, prefill_chunk, cache_len, backend, sampled)
         graphs, built = {}, {}
+        if backend == "inductor":  # the tensors each graph takes, on the device its code is compiled for
+            states = {"target": target_module.state(), "draft": draft_module.state() if draft_module else {}}
+            states["fused"] = fused_state(states["target"], states["draft"])
+            states = move_states(states, device)
         bar = tqdm(plans, desc=f"compile ({backend})", unit="graph", disable=not progress)
         for plan in bar:
             bar.set_postfix_str(plan.name)
@@ -283,8 +331,9 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
             if backend == "inductor":
                 (stage / "graphs").mkdir(exist_ok=True)
                 rel = f"graphs/{plan.name}.pt2"
-                state = (fused_state(target_module.state(), draft_module.state()) if plan.fuse else module.state())
-                entry["state_keys"] = compile_inductor(ep, state, stage / rel, args)
+                state = states["fused" if plan.fuse else "target" if plan.module == "target" else "draft"]
+                entry["state_keys"] = compile_inductor(on_device(ep, device), state, stage / rel,
+                                                       tuple(a.to(device) for a in args))
                 entry["file"] = rel
             graphs[plan.name] = entry
         bar.close()
@@ -321,7 +370,7 @@ def compile(model=None, drafter: str = "none", tree: str | None = None, backend:
                        "eos_token_ids": _eos_ids(target.model), "config": cfg.to_dict(),
                        "weights_sha256": files.get("target/model.safetensors")},
             "drafter": draft_entry, "tree": {"spec": tree_spec, **tr.to_manifest(), **(tree_report or {})},
-            "backend": backend, "dtype": str(torch_dtype).replace("torch.", ""), "max_len": max_len,
+            "backend": backend, "device": device, "dtype": str(torch_dtype).replace("torch.", ""), "max_len": max_len,
             "prefill_chunk": prefill_chunk, "cache_len": cache_len, "graphs": graphs, "files": files,
         }
         (stage / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
@@ -379,8 +428,10 @@ def verify_files(path: Path, manifest: dict) -> None:
                              f"or damaged; compile it again.")
 
 
-def load(path, check_hashes: bool = True) -> Engine:
-    """Open an engine directory: validate manifest, hashes, versions and shapes, then build the runtime."""
+def load(path, check_hashes: bool = True, device: str | None = None) -> Engine:
+    """Open an engine directory: validate manifest, hashes, versions and shapes, then build the runtime.
+    `device`: where an eager engine runs (default: the device it was compiled for); an inductor
+    engine runs only on the device its graphs were compiled for."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
@@ -391,6 +442,11 @@ def load(path, check_hashes: bool = True) -> Engine:
     if backend == "inductor" and manifest["torch_version"] != torch.__version__:
         raise SpeccError(f"the engine's graphs were built with torch {manifest['torch_version']} but this is torch "
                          f"{torch.__version__}; compile the engine again.")
+    compiled_for = manifest.get("device", "cpu")
+    device = check_device(device or compiled_for)
+    if backend == "inductor" and torch.device(device) != torch.device(compiled_for):
+        raise SpeccError(f"this engine's graphs were compiled for {compiled_for}; load it there, or compile it again "
+                         f"with --device {device}.")
     dtype = parse_dtype(manifest["dtype"])
     model = AutoModelForCausalLM.from_pretrained(path / "target", dtype=dtype).eval().requires_grad_(False)
     try:
@@ -409,14 +465,17 @@ def load(path, check_hashes: bool = True) -> Engine:
     if dr["kind"] == "dflash":
         dflash = load_dflash(path / "draft", dtype)
         modules["dflash"] = DFlashStep(dflash, modules["target"].embed_tokens, modules["target"].w_head, cache_len,
-                                       dr["block_size"], tr)
+                                       dr["block_size"], tr, sampled=dr.get("children") == "sampled")
     if dr["kind"] == "mtp":
-        modules["mtp"] = _mtp_step(load_mtp(path / "draft", model), modules["target"], cache_len, tr)
+        modules["mtp"] = _mtp_step(load_mtp(path / "draft", model), modules["target"], cache_len, tr,
+                                   sampled=dr.get("children") == "sampled")
+    sampled = _sampled_children(modules.get(dr["kind"]), modules["target"].vocab_size)
     states = {k: m.state() for k, m in modules.items()}
     if dr["kind"] in ("dflash", "mtp"):
         states["fused"] = fused_state(states["target"], states[dr["kind"]])
+    states = move_states(states, device)
     graphs, built = {}, {}
-    plans = {p.name: p for p in graph_plans(tr, dr["kind"], chunk, cache_len, backend)}
+    plans = {p.name: p for p in graph_plans(tr, dr["kind"], chunk, cache_len, backend, sampled)}
     for name, entry in manifest["graphs"].items():
         if name not in plans or plans[name].T != entry["tokens"]:
             raise SpeccError(f"graph {name} in the manifest does not match this engine's tree and drafter; "
@@ -424,7 +483,7 @@ def load(path, check_hashes: bool = True) -> Engine:
         state = states[entry["module"]]
         if backend == "eager":
             built[name] = build_program(plans[name], modules.get(entry["module"]), None, built, tr)
-            graphs[name] = EagerGraph(built[name], state)
+            graphs[name] = EagerGraph(on_device(built[name], device), state)
         else:
             graphs[name] = InductorGraph(path / entry["file"], state, entry["state_keys"])
         graphs[name] = _checked(graphs[name], name, entry["inputs"])
@@ -432,11 +491,12 @@ def load(path, check_hashes: bool = True) -> Engine:
     if dr["kind"] == "ngram":
         drafter = NgramDrafter(tr, dr.get("max_ngram", 4), dr.get("min_ngram", 3))
     elif dr["kind"] == "draft-model":
-        drafter = DraftModelDrafter(tr, graphs["draft_prefill"], graphs["draft_step"], chunk)
+        drafter = DraftModelDrafter(tr, graphs["draft_prefill"], graphs["draft_step"], chunk, device)
     elif dr["kind"] in ("dflash", "mtp"):
         k = dr["kind"]
-        drafter = HiddenStateDrafter(k, tr, graphs[f"{k}_prefill"], graphs[f"{k}_step"], chunk)
-    return Engine(manifest, graphs, tokenizer, drafter, tr, path=path)
+        drafter = HiddenStateDrafter(k, tr, graphs[f"{k}_prefill"], graphs[f"{k}_step"], chunk, device,
+                                     sampled.uniforms if sampled else 0)
+    return Engine(manifest, graphs, tokenizer, drafter, tr, path=path, device=device)
 
 
 def _checked(graph, name: str, inputs: list):

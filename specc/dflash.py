@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .drafters import draft_slots, tree_drafts
+from .drafters import draft_slots, sampled_drafts, tree_drafts
 from .errors import SpeccError
 from .tree import Tree, chain
 
@@ -372,11 +372,16 @@ class DFlashStep(nn.Module):
     sits at positions start = ctx_start + n_ctx .., sees every cached slot < start and itself, and
     its rows 1..B-1 go through the target's LM head. Tree node i takes the candidate of rank
     ranks[i] at block position depths[i] (argmax for a chain). Padding rows write slots >= start,
-    which no block sees before a later call overwrites them."""
+    which no block sees before a later call overwrites them.
+
+    `sampled=True` (`--children sampled`): forward also takes (temperature [], top_p [], uniforms
+    [(B-1) * width]) and returns (drafts, q [B-1, V]); at temperature > 0 the drafts are draws from
+    q, the drafter's distribution at each block position (drafters.sampled_drafts)."""
 
     def __init__(self, drafter: DFlashDrafter, embed_tokens: nn.Module, lm_head_weight: torch.Tensor,
-                 cache_len: int, block_size: int | None = None, tree: Tree | None = None):
+                 cache_len: int, block_size: int | None = None, tree: Tree | None = None, sampled: bool = False):
         super().__init__()
+        self.sampled = sampled
         cfg = drafter.config
         # A drafter trained on blocks of B also runs on shorter ones (not the reverse).
         self.block_size = cfg.block_size if block_size is None else block_size
@@ -388,6 +393,7 @@ class DFlashStep(nn.Module):
             raise SpeccError(f"a token tree of depth {tree.max_depth} needs a DFlash block of at least "
                              f"{tree.max_depth + 1}, not {self.block_size}.")
         depth, rank, self.width = draft_slots(tree)
+        self.q_rows = self.block_size - 1  # one distribution per drafted block position
         self.register_buffer("draft_depth", depth, persistent=False)
         self.register_buffer("draft_rank", rank, persistent=False)
         self.drafter = drafter
@@ -402,7 +408,7 @@ class DFlashStep(nn.Module):
             self.register_buffer(f"v_cache_{i}", torch.zeros(cfg.num_kv_heads, cache_len, cfg.head_dim, dtype=dtype),
                                  persistent=False)
 
-    def forward(self, taps, ctx_start, n_ctx, anchor):
+    def forward(self, taps, ctx_start, n_ctx, anchor, temperature=None, top_p=None, uniforms=None):
         cfg = self.drafter.config
         R, B, S = taps.shape[0], self.block_size, self.cache_len
         ctx_pos = torch.arange(R) + ctx_start
@@ -422,8 +428,10 @@ class DFlashStep(nn.Module):
             k_cache.index_copy_(1, ctx_pos, k_new)
             v_cache.index_copy_(1, ctx_pos, v_new)
             x = layer(x, cos, sin, k_cache, v_cache, mask)
-        h = self.drafter.norm(x)[1:]
-        return tree_drafts(F.linear(h, self.lm_head_weight), self.draft_depth, self.draft_rank, self.width)
+        logits = F.linear(self.drafter.norm(x)[1:], self.lm_head_weight)
+        if self.sampled:
+            return sampled_drafts(logits, self.draft_depth, self.draft_rank, self.width, temperature, top_p, uniforms)
+        return tree_drafts(logits, self.draft_depth, self.draft_rank, self.width)
 
     def state(self) -> dict[str, torch.Tensor]:
         out = dict(self.named_parameters())

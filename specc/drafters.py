@@ -1,7 +1,10 @@
 """The runtime side of each drafter: n-gram prompt lookup, a smaller draft model, DFlash and MTP heads.
 
-All propose deterministic drafts (q is one-hot), which the verifier accepts with the exact
-one-hot rule, so sampling stays lossless without a drafter distribution.
+By default all propose deterministic drafts (q is one-hot: top-k per depth), which the verifier
+accepts with the exact one-hot rule, so sampling stays lossless without a drafter distribution.
+DFlash and MTP engines compiled with `--children sampled` instead draw the children of each node
+i.i.d. from the drafter's own distribution q at temperature > 0 and hand q to the verifier, which
+accepts with min(1, p/q) and residuals (specc.verify).
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import torch
 
 from .errors import SpeccError
 from .tree import Tree
+from .verify import inverse_cdf_rows, sampling_probs
 
 DRAFTERS = ("none", "ngram", "draft-model", "mtp", "dflash", "dspark")
 
@@ -38,6 +42,21 @@ def tree_drafts(logits: torch.Tensor, depth: torch.Tensor, rank: torch.Tensor, w
     else:
         cand = torch.topk(logits, width, dim=-1).indices
     return cand[depth, rank]
+
+
+def sampled_drafts(logits: torch.Tensor, depth: torch.Tensor, rank: torch.Tensor, width: int, temperature,
+                   top_p, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Children drawn i.i.d. from the drafter (engines compiled with `--children sampled`).
+
+    logits [D, V] per depth; uniforms [D * width], one per (depth, rank) slot. Returns the drafts
+    [T-1] and q [D, V], the drafter's sampling distribution per depth (the target's temperature
+    and top-p). At temperature > 0 node i takes the draw of slot (depth[i], rank[i]) from q[depth[i]]:
+    siblings take distinct slots, so a node's children are i.i.d. draws from q of their depth,
+    which the verifier's min(1, p/q) rule needs. Greedy keeps the top-k drafts (q is unused then)."""
+    q = sampling_probs(logits, temperature, top_p)
+    slot = depth * width + rank
+    drawn = inverse_cdf_rows(q.index_select(0, depth), uniforms.index_select(0, slot))
+    return torch.where(temperature > 0, drawn, tree_drafts(logits, depth, rank, width)), q
 
 
 def ngram_propose(tokens: np.ndarray, k: int, max_ngram: int = 4, min_ngram: int = 1) -> list[int]:
@@ -100,7 +119,7 @@ class NgramDrafter:
         # Distinct continuations worth collecting: enough to fill every rank at depth 1.
         self.limit = max(1, len(tree.children[0])) * 4
 
-    def start(self, prompt_ids: list[int], temperature, top_p) -> None:
+    def start(self, prompt_ids: list[int], temperature, top_p, gen=None) -> None:
         self.buf = np.array(prompt_ids, dtype=np.int64)
 
     def propose(self, committed: list[int]) -> tuple[list[int], bool]:
@@ -120,21 +139,24 @@ class DraftModelDrafter:
 
     kind = "draft-model"
 
-    def __init__(self, tree: Tree, prefill, step, chunk: int):
+    def __init__(self, tree: Tree, prefill, step, chunk: int, device="cpu"):
         if not tree.is_chain:
             raise SpeccError("the draft-model drafter proposes a chain in this version; use --tree chain:K.")
         self.k, self.prefill_graph, self.step_graph, self.chunk = tree.size - 1, prefill, step, chunk
-        self.zero, self.one = torch.tensor(0.0), torch.tensor(1.0)
-        self.u1 = torch.zeros(2)
+        self.device = device
+        self.zero, self.one = torch.tensor(0.0, device=device), torch.tensor(1.0, device=device)
+        self.u1 = torch.zeros(2, device=device)
 
-    def start(self, prompt_ids: list[int], temperature, top_p) -> None:
+    def start(self, prompt_ids: list[int], temperature, top_p, gen=None) -> None:
         from .runtime import prefill
 
-        prefill(prompt_ids, self.prefill_graph, self.step_graph, self.chunk, self.zero, self.one, torch.Generator())
+        prefill(prompt_ids, self.prefill_graph, self.step_graph, self.chunk, self.zero, self.one, torch.Generator(),
+                device=self.device)
         self.cached = len(prompt_ids)  # tokens whose K/V the drafter holds
 
     def _next(self, token: int, pos: int) -> int:
-        _, _, out = self.step_graph(torch.tensor([token]), torch.tensor(pos), self.zero, self.one, self.u1)
+        _, _, out = self.step_graph(torch.tensor([token], device=self.device), torch.tensor(pos, device=self.device),
+                                    self.zero, self.one, self.u1)
         return int(out[0])
 
     def propose(self, committed: list[int]) -> tuple[list[int], bool]:
@@ -164,14 +186,21 @@ class HiddenStateDrafter:
 
     needs_taps = True
 
-    def __init__(self, kind: str, tree: Tree, prefill_graph, step_graph, chunk: int):
+    def __init__(self, kind: str, tree: Tree, prefill_graph, step_graph, chunk: int, device="cpu",
+                 n_uniforms: int = 0):
         self.kind, self.k = kind, tree.size - 1  # the step graph returns one draft per non-root node
+        self.device = device
+        # Sampled children (n_uniforms > 0): the graphs also take (temperature, top_p, uniforms) and
+        # return q beside the drafts; the last proposal's q is what the step graph verifies against.
+        self.n_uniforms, self.q = n_uniforms, None
         self.chunk, self.prefill_graph = chunk, prefill_graph
         self.step_rows, self.step_graph = tree.size, step_graph
 
-    def start(self, prompt_ids: list[int], temperature, top_p) -> None:
+    def start(self, prompt_ids: list[int], temperature, top_p, gen=None) -> None:
+        """temperature, top_p: 0-d tensors on the engine's device; gen: the runtime's CPU generator."""
         self.pending: list[torch.Tensor] = []  # rows not yet in the drafter's cache
         self.pending_start = 0  # position of the first pending row
+        self.sampling = (temperature, top_p, gen)
 
     def add_rows(self, rows: torch.Tensor, start: int) -> None:
         """rows [n, width]: the hidden rows of committed tokens at positions start..start+n-1."""
@@ -180,11 +209,16 @@ class HiddenStateDrafter:
         self.pending.append(rows)
 
     def _call(self, graph, piece, m: int, pos: int, R: int, committed: list[int]):
+        dev = lambda v, **kw: torch.tensor(v, device=self.device, **kw)  # noqa: E731
+        extra = ()
+        if self.n_uniforms:
+            temperature, top_p, gen = self.sampling
+            extra = (temperature, top_p, torch.rand(self.n_uniforms, generator=gen).to(self.device))
         if self.kind == "dflash":  # (taps, ctx_start, n_ctx, anchor): the block starts at the token after them
-            return graph(piece, torch.tensor(pos), torch.tensor(m), torch.tensor(committed[pos + m]))
+            return graph(piece, dev(pos), dev(m), dev(committed[pos + m]), *extra)
         # mtp: (hidden, next tokens, ctx_start, n_ctx): row p pairs with the token at p + 1
         nxt = committed[pos + 1: pos + m + 1] + [0] * (R - m)
-        return graph(piece, torch.tensor(nxt, dtype=torch.int64), torch.tensor(pos), torch.tensor(m))
+        return graph(piece, dev(nxt, dtype=torch.int64), dev(pos), dev(m), *extra)
 
     def propose(self, committed: list[int]) -> tuple[list[int], bool]:
         rows = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
@@ -200,6 +234,8 @@ class HiddenStateDrafter:
                 piece = torch.cat((piece, piece.new_zeros(R - m, piece.shape[1])))
             drafts = self._call(graph, piece, m, start + done, R, committed)
             done += m
+        if self.n_uniforms:
+            drafts, self.q = drafts
         self.pending = []
         return drafts[: self.k].tolist(), True
 

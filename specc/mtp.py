@@ -55,7 +55,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .capture import Block
-from .drafters import draft_slots, tree_drafts
+from .drafters import draft_slots, sampled_drafts, tree_drafts
+from .verify import inverse_cdf_rows, sampling_probs
 from .errors import SpeccError
 from .tree import Tree, chain
 
@@ -335,11 +336,16 @@ class MTPStep(nn.Module):
     n_ctx) write slots > P, which the depth rows or a later call overwrite before anything reads them.
     Each depth feeds the next with its argmax; tree node i takes the candidate of rank ranks[i] at
     depth depths[i] (`tree` defaults to chain:depth, whose drafts are the argmaxes).
-    The target's embedding, final norm, LM head and rotary embedding are passed in and shared."""
+    The target's embedding, final norm, LM head and rotary embedding are passed in and shared.
+
+    `sampled=True` (`--children sampled`): forward also takes (temperature [], top_p [], uniforms
+    [depth * width]) and returns (drafts, q [depth, V]); at temperature > 0 the drafts are draws
+    from q (drafters.sampled_drafts) and each depth feeds the next with its rank-0 draw."""
 
     def __init__(self, heads: MTPHeads, embed_tokens: nn.Module, final_norm: nn.Module, lm_head_weight: torch.Tensor,
-                 rotary_emb: nn.Module, cache_len: int, depth: int, tree: Tree | None = None):
+                 rotary_emb: nn.Module, cache_len: int, depth: int, tree: Tree | None = None, sampled: bool = False):
         super().__init__()
+        self.sampled = sampled
         check_engine_heads(heads)
         if depth < 1:
             raise SpeccError(f"MTP drafting needs depth 1 or more, not {depth}.")
@@ -358,6 +364,7 @@ class MTPStep(nn.Module):
         if tree.max_depth != depth:
             raise SpeccError(f"MTP drafting of depth {depth} cannot fill a token tree of depth {tree.max_depth}.")
         d_idx, rank, self.width = draft_slots(tree)
+        self.q_rows = depth  # one distribution per depth
         self.register_buffer("draft_depth", d_idx, persistent=False)
         self.register_buffer("draft_rank", rank, persistent=False)
 
@@ -376,7 +383,7 @@ class MTPStep(nn.Module):
     def _logits(self, out):
         return F.linear(self.head_norm(out), self.lm_head_weight)
 
-    def forward(self, hidden, next_tokens, ctx_start, n_ctx):
+    def forward(self, hidden, next_tokens, ctx_start, n_ctx, temperature=None, top_p=None, uniforms=None):
         R = hidden.shape[0]
         out = self._layer(self._mix(hidden, self.embed_tokens(next_tokens)), torch.arange(R) + ctx_start)
         last = out.index_select(0, (n_ctx - 1).view(1))  # position P = ctx_start + n_ctx - 1
@@ -384,8 +391,15 @@ class MTPStep(nn.Module):
         for d in range(2, self.depth + 1):
             h = self.head_norm(last) if self.normed_feedback else last
             top = logits[-1].argmax(-1)
+            if self.sampled:  # feed the rank-0 draw of depth d-1: the token every rank-0 node there carries
+                q = sampling_probs(logits[-1], temperature, top_p)
+                u = uniforms.index_select(0, torch.tensor([(d - 2) * self.width]))
+                top = torch.where(temperature > 0, inverse_cdf_rows(q, u), top)
             last = self._layer(self._mix(h, self.embed_tokens(top)), (ctx_start + n_ctx + d - 2).view(1))
             logits.append(self._logits(last))
+        if self.sampled:
+            return sampled_drafts(torch.cat(logits), self.draft_depth, self.draft_rank, self.width, temperature,
+                                  top_p, uniforms)
         return tree_drafts(torch.cat(logits), self.draft_depth, self.draft_rank, self.width)
 
     def state(self) -> dict[str, torch.Tensor]:

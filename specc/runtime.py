@@ -26,27 +26,31 @@ def tap_rows(taps, rows) -> torch.Tensor:
     return torch.cat([t[0].index_select(0, rows) for t in taps], dim=-1)
 
 
-def prefill(ids: list[int], chunk_graph, one_graph, chunk: int, temperature, top_p, gen, on_rows=None) -> int:
+def prefill(ids: list[int], chunk_graph, one_graph, chunk: int, temperature, top_p, gen, on_rows=None,
+            device="cpu") -> int:
     """Fill the cache with `ids` (static chunks, a short tail one token at a time) and return the
     token that follows them, drawn by the same rule as a decode step. `on_rows(rows, start)`
-    receives the taps of the prompt's rows (when the graphs have taps)."""
+    receives the taps of the prompt's rows (when the graphs have taps). The graphs' inputs are
+    made on `device`; the random numbers come from the CPU generator `gen` on every device, so a
+    seed gives the same draws everywhere."""
     L = len(ids)
+    dev = lambda v, **kw: torch.tensor(v, device=device, **kw)  # noqa: E731
     tail = L % chunk
     chunked = L - tail if 0 < tail <= PLAIN_TAIL else L
     first = None
     for start in range(0, chunked, chunk):
         piece = ids[start:start + chunk]
-        toks = torch.tensor(piece + [0] * (chunk - len(piece)), dtype=torch.int64)
-        res = chunk_graph(toks, torch.tensor(start), torch.tensor(len(piece)), temperature, top_p,
-                          torch.rand(2, generator=gen))
+        toks = dev(piece + [0] * (chunk - len(piece)), dtype=torch.int64)
+        res = chunk_graph(toks, dev(start), dev(len(piece)), temperature, top_p,
+                          torch.rand(2, generator=gen).to(device))
         first = res[0]
         if on_rows is not None:
-            on_rows(tap_rows(res[1:], torch.arange(len(piece))), start)
+            on_rows(tap_rows(res[1:], torch.arange(len(piece), device=device)), start)
     for pos in range(chunked, L):
-        res = one_graph(torch.tensor([ids[pos]]), torch.tensor(pos), temperature, top_p, torch.rand(2, generator=gen))
+        res = one_graph(dev([ids[pos]]), dev(pos), temperature, top_p, torch.rand(2, generator=gen).to(device))
         first = res[2][0]
         if on_rows is not None:
-            on_rows(tap_rows(res[3:], torch.arange(1)), pos)
+            on_rows(tap_rows(res[3:], torch.arange(1, device=device)), pos)
     return int(first)
 
 
@@ -82,9 +86,9 @@ class Result:
 class Engine:
     """Holds the engine's tensors (weights + KV caches), graphs, tree and drafter; see `specc.load`."""
 
-    def __init__(self, manifest: dict, graphs: dict, tokenizer, drafter, tree, path=None):
+    def __init__(self, manifest: dict, graphs: dict, tokenizer, drafter, tree, path=None, device: str = "cpu"):
         self.manifest, self.graphs, self.tokenizer, self.drafter, self.tree = manifest, graphs, tokenizer, drafter, tree
-        self.path = path
+        self.path, self.device = path, torch.device(device)
         self.max_len = manifest["max_len"]
         self.chunk = manifest["prefill_chunk"]
         self.eos = set(manifest["target"].get("eos_token_ids") or [])
@@ -127,17 +131,21 @@ class Engine:
         if temperature < 0 or not 0 < top_p <= 1:
             raise SpeccError("temperature must be >= 0 and top-p must be in (0, 1].")
         budget = min(max_new_tokens, self.max_len - L)
-        gen = torch.Generator().manual_seed(seed)
-        temp_t, top_p_t = torch.tensor(float(temperature)), torch.tensor(float(top_p))
+        gen = torch.Generator().manual_seed(seed)  # on the CPU: the same draws on every device
+        device = self.device
+        dev = lambda v, **kw: torch.tensor(v, device=device, **kw)  # noqa: E731
+        temp_t, top_p_t = dev(float(temperature)), dev(float(top_p))
         drafter = self.drafter if speculate else None
         step = self.graphs["step"] if drafter is not None else self.graphs["plain"]
         T = self.tree.size if drafter is not None else 1
         t0 = time.perf_counter()
         on_rows = None
+        n_u = getattr(drafter, "n_uniforms", 0)  # sampled children: draws per proposal (0: top-k drafts)
         if drafter is not None:
-            drafter.start(ids, temperature, top_p)
+            drafter.start(ids, temp_t, top_p_t, gen)
             on_rows = drafter.add_rows if getattr(drafter, "needs_taps", False) else None
-        first = prefill(ids, self.graphs["prefill"], self.graphs["plain"], self.chunk, temp_t, top_p_t, gen, on_rows)
+        first = prefill(ids, self.graphs["prefill"], self.graphs["plain"], self.chunk, temp_t, top_p_t, gen, on_rows,
+                        device)
         committed = ids + [int(first)]
         stats.prefill_s = time.perf_counter() - t0
         stats.prompt_tokens = L
@@ -150,22 +158,27 @@ class Engine:
         # Fused: the step graph also updates the drafter and returns the next tree's drafts, so after
         # the first proposal (which flushes the prompt's rows) there is one graph call per step.
         fused = self.graphs.get("fused") if drafter is not None and self.use_fused else None
-        next_drafts = None
+        next_drafts = next_q = None
         while produced < budget:
             if next_drafts is not None:
                 graph, size = fused, T
-                tokens = torch.cat((torch.tensor([committed[-1]]), next_drafts))
+                tokens = torch.cat((dev([committed[-1]]), next_drafts))
             elif drafter is not None:
                 drafts, found = drafter.propose(committed)
                 graph, size = (fused or step, T) if found else (self.graphs["plain"], 1)
-                tokens = torch.tensor([committed[-1]] + drafts[: size - 1], dtype=torch.int64)
+                tokens = dev([committed[-1]] + drafts[: size - 1], dtype=torch.int64)
             else:
                 graph, size = step, 1
-                tokens = torch.tensor([committed[-1]], dtype=torch.int64)
-            n, path, out, *taps = graph(tokens, torch.tensor(base_len), temp_t, top_p_t,
-                                        torch.rand(size + 1, generator=gen))
+                tokens = dev([committed[-1]], dtype=torch.int64)
+            uniforms = torch.rand(size + 1, generator=gen).to(device)
+            extra = ()
+            if n_u and size > 1:  # this tree's q; the fused graph also draws the next tree (after these uniforms)
+                extra = (next_q if next_drafts is not None else drafter.q,)
+                if graph is fused:
+                    extra += (torch.rand(n_u, generator=gen).to(device),)
+            n, path, out, *taps = graph(tokens, dev(base_len), temp_t, top_p_t, uniforms, *extra)
             if graph is fused:
-                next_drafts, taps, on_step_rows = taps[0], [], None
+                next_drafts, next_q, taps, on_step_rows = taps[0], taps[1] if n_u else None, [], None
             else:
                 on_step_rows = on_rows
             n = int(n)

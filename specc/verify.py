@@ -269,15 +269,21 @@ def greedy_walk(logits: Tensor, tokens: Tensor, children: Tensor, depth: int) ->
 
 def _inverse_cdf(p: Tensor, u: Tensor) -> Tensor:
     """First index whose cumulative sum of p/sum(p) exceeds u (p >= 0, [V])."""
+    return inverse_cdf_rows(p.unsqueeze(0), u.reshape(1))[0]
+
+
+def inverse_cdf_rows(p: Tensor, u: Tensor) -> Tensor:
+    """:func:`_inverse_cdf` of every row of ``p`` (``[N, V]``) with its own ``u[n]``: one draw per
+    row (also how drafters with sampled children draw them)."""
     vocab = p.shape[-1]
-    s = p.sum()
+    s = p.sum(dim=-1, keepdim=True)
     cdf = torch.cumsum(p / torch.where(s > 0, s, torch.ones_like(s)), dim=-1)
     ar = torch.arange(vocab, device=p.device)
     # guard against cdf[-1] < 1 from rounding: never go past the last
     # index with positive mass
-    last_nz = torch.amax(torch.where(p > 0, ar, torch.zeros_like(ar)))
-    hit = (cdf > u) | (ar >= last_nz)
-    return torch.argmax(hit.to(torch.int64))
+    last_nz = torch.amax(torch.where(p > 0, ar, torch.zeros_like(ar)), dim=-1, keepdim=True)
+    hit = (cdf > u.unsqueeze(-1)) | (ar >= last_nz)
+    return torch.argmax(hit.to(torch.int64), dim=-1)
 
 
 def _sibling_walk(probs: Tensor, tokens: Tensor, children: Tensor, depth: int, uniforms: Tensor,

@@ -187,6 +187,11 @@ COMPILE_ERRORS = {  # id: (argv before -o, words the message must contain)
     "dflash-path-not-dflash": (lambda c: [c.model, "--drafter", "dflash", "--drafter-path", c.model],
                                ["not a DFlash drafter"]),
     "tree-without-drafter": (lambda c: [c.model, "--drafter", "none", "--tree", "chain:3"], ["chain:3", "drafter"]),
+    "device-cuda-here": (lambda c: [c.model, "--device", "cuda"], ["--device cuda", "no"]),  # a CPU-only machine
+    "device-unknown": (lambda c: [c.model, "--device", "tpu"], ["--device", "tpu"]),
+    "children-sampled-ngram": (lambda c: [c.model, "--drafter", "ngram", "--children", "sampled"],
+                               ["--children sampled", "--drafter dflash or mtp"]),
+    "children-unknown": (lambda c: [c.model, "--drafter", "ngram", "--children", "random"], ["--children", "random"]),
     "max-len-0": (lambda c: [c.model, "--max-len", "0"], ["--max-len"]),
     "max-len-not-int": (lambda c: [c.model, "--max-len", "many"], ["--max-len"]),
     "drafter-vocab-mismatch": (lambda c: [c.model, "--drafter", "draft-model", "--drafter-path", c.model80,

@@ -97,3 +97,35 @@ def test_ngram_drafter_on_a_tree_offers_several_matches():
     drafts, found = d.propose(ids)
     # Node order: [0], [1], [0,0], [1,0]: the latest match (5, 6) first, then (3, 4).
     assert found and drafts == [5, 3, 6, 4]
+
+
+def test_sampled_drafts_draw_each_slot_from_its_depth():
+    """Sampled children: node i is the inverse-CDF draw of q[depth i] with the uniform of its
+    (depth, rank) slot; the draws follow q; greedy keeps the top-k drafts."""
+    import torch
+
+    from specc.drafters import draft_slots, sampled_drafts, tree_drafts
+    from specc.tree import topk
+    from specc.verify import reference_sampling_probs
+
+    tree = topk(3, 2)
+    depth, rank, width = draft_slots(tree)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 6, generator=g)
+    t, p = torch.tensor(0.7), torch.tensor(0.9)
+    counts = torch.zeros(3, 6)
+    for _ in range(2000):
+        u = torch.rand(3 * width, generator=g)
+        drafts, q = sampled_drafts(logits, depth, rank, width, t, p, u)
+        for i in range(len(depth)):
+            d, r = int(depth[i]), int(rank[i])
+            cdf = torch.cumsum(q[d], 0)
+            assert int(drafts[i]) == int((cdf > u[d * width + r]).nonzero()[0])  # the slot's own draw
+        for d in range(3):
+            counts[d, int(drafts[(depth == d) & (rank == 0)][0])] += 1
+    want = torch.tensor([reference_sampling_probs(row.tolist(), 0.7, 0.9) for row in logits])
+    assert torch.allclose(q, want.float(), atol=1e-6)
+    assert (counts / 2000 - want).abs().max() < 0.05  # draws follow q (top-p zeros stay zero)
+    assert (counts[want == 0] == 0).all()
+    greedy, _ = sampled_drafts(logits, depth, rank, width, torch.tensor(0.0), p, torch.rand(3 * width))
+    assert torch.equal(greedy, tree_drafts(logits, depth, rank, width))

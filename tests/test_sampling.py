@@ -81,9 +81,9 @@ def test_speculative_sampling_matches_target(models, tmp_path):
 
 def test_wrong_acceptance_rule_is_detected(models, tmp_path, monkeypatch):
     """Negative control: accepting drafts with probability min(1, 2 p(x)) must fail the same test."""
-    def over_accepting(logits, tokens, parents, children, temperature, top_p, uniforms):
+    def over_accepting(logits, tokens, parents, children, temperature, top_p, uniforms, draft_probs=None):
         u = torch.cat([uniforms[:-1] * 0.5, uniforms[-1:]])
-        return accept(logits, tokens, parents, children, temperature, top_p, u)
+        return accept(logits, tokens, parents, children, temperature, top_p, u, draft_probs)
 
     monkeypatch.setattr(verify_pass, "accept", over_accepting)
     root, target = models
@@ -92,21 +92,46 @@ def test_wrong_acceptance_rule_is_detected(models, tmp_path, monkeypatch):
     assert p < 1e-3, f"the wrong rule was not detected (p={p:.2e})"
 
 
-def test_speculative_sampling_on_a_tree_matches_target(models, tmp_path):
-    """The same test on a branching tree (sibling retries and the residual), drafted by DFlash's
-    ranked candidates through the fused step graph."""
+def tree_samples(root, target, tmp_path, children):
+    """Samples from a DFlash topk:2,2 engine through the fused step graph, and how many steps
+    accepted a second-ranked child."""
     from test_engine import random_dflash
 
-    root, target = models
     dpath, _ = random_dflash(target, tmp_path / "dflash", block=3)
     path = specc.compile(root / "target", drafter="dflash", drafter_path=dpath, tree="topk:2,2", backend="eager",
-                         output_dir=tmp_path / "engine", max_len=32, prefill_chunk=4, progress=False)
+                         output_dir=tmp_path / "engine", max_len=32, prefill_chunk=4, progress=False,
+                         children=children)
     engine = specc.load(path)
     samples, branched = [], 0
     for seed in range(RUNS):
         r = engine.generate(PROMPT, max_new_tokens=NEW, temperature=1.0, seed=seed, stop_at_eos=False)
         samples.append(tuple(r.token_ids))
         branched += sum(any(rank > 0 for rank in p) for p in r.stats.rank_paths)
+    return samples, branched
+
+
+@pytest.mark.parametrize("children", ["topk", "sampled"])
+def test_speculative_sampling_on_a_tree_matches_target(models, tmp_path, children):
+    """The same test on a branching tree (sibling retries and the residual): deterministic top-k
+    children with the one-hot rule, and children drawn i.i.d. from the drafter's q with the
+    min(1, p/q) rule and residuals max(p - q, 0)."""
+    root, target = models
+    samples, branched = tree_samples(root, target, tmp_path, children)
     assert branched > 100  # second-ranked children were accepted: the sibling rule was exercised
     p = g_test(samples, exact_distribution(target, 1.0))
     assert p > 1e-3, f"speculative samples on a tree differ from the target distribution (p={p:.2e})"
+
+
+def test_sampled_children_with_a_wrong_q_are_detected(models, tmp_path, monkeypatch):
+    """Negative control for sampled children: a verifier that takes the children for draws from the
+    uniform distribution (not the drafter's q they came from) must fail the same test."""
+    def wrong_q(logits, tokens, parents, children, temperature, top_p, uniforms, draft_probs=None):
+        assert draft_probs is not None  # the engine verifies sampled children with their q
+        return accept(logits, tokens, parents, children, temperature, top_p, uniforms,
+                      torch.full_like(draft_probs, 1.0 / V))
+
+    monkeypatch.setattr(verify_pass, "accept", wrong_q)
+    root, target = models
+    samples, _ = tree_samples(root, target, tmp_path, "sampled")
+    p = g_test(samples, exact_distribution(target, 1.0))
+    assert p < 1e-3, f"the wrong q was not detected (p={p:.2e})"

@@ -150,11 +150,14 @@ def test_measured_tree_refusals(tmp_path):
     assert not (tmp_path / "e").exists()
 
 
-@pytest.mark.parametrize("kind,backend,tree", [("dflash", "eager", None), ("mtp", "eager", None),
-                                               ("dflash", "inductor", "chain:3")])
-def test_fused_step_equals_unfused(tmp_path, kind, backend, tree):
+@pytest.mark.parametrize("kind,backend,tree,children", [("dflash", "eager", None, "topk"), ("mtp", "eager", None, "topk"),
+                                                        ("dflash", "inductor", "chain:3", "topk"),
+                                                        ("mtp", "eager", None, "sampled"),
+                                                        ("dflash", "inductor", None, "sampled")])
+def test_fused_step_equals_unfused(tmp_path, kind, backend, tree, children):
     """One graph per step (verify, accept, compaction, drafter update and next drafts) gives exactly
-    the tokens of the unfused path, greedy and sampling, and greedy equals the target's."""
+    the tokens of the unfused path, greedy and sampling, and greedy equals the target's; with
+    top-k children and with children sampled from the drafter."""
     if kind == "mtp":
         model, dpath, _ = mtp_target(tmp_path)
     else:
@@ -162,9 +165,11 @@ def test_fused_step_equals_unfused(tmp_path, kind, backend, tree):
         model.save_pretrained(tmp_path / "m")
         dpath, _ = random_dflash(model, tmp_path / "d", block=4)
     path = specc.compile(tmp_path / "m", drafter=kind, drafter_path=dpath, tree=tree or tree_file(tmp_path),
-                         backend=backend, output_dir=tmp_path / "e", max_len=96, prefill_chunk=8, progress=False)
+                         backend=backend, output_dir=tmp_path / "e", max_len=96, prefill_chunk=8, progress=False,
+                         children=children)
     engine = specc.load(path)
     assert "fused" in engine.graphs
+    assert engine.manifest["drafter"]["children"] == children
     calls = []
     fused = engine.graphs["fused"]
     engine.graphs["fused"] = lambda *a: calls.append(1) or fused(*a)

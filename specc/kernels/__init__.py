@@ -11,7 +11,13 @@ Importing this package registers the ops under the `specc` namespace:
 
 On CPU tensors each op runs its torch reference; on CUDA tensors it runs the Triton kernel. Triton
 stays optional at run time: without it this package still imports, and CUDA calls fall back to the
-reference (correct, only slower). Triton has no CPU code generator, so the kernels are tested on
+reference (correct, only slower).
+
+Each op is a `torch.library.triton_op`: torch.export keeps it as one node (what the passes put in
+and the tests look for), while Inductor and AOTInductor trace into its body. A compiled CUDA graph
+therefore embeds the Triton kernels, and a compiled CPU graph runs the reference as native code,
+with no call back into Python per layer and step (a plain custom op would go through AOTI's proxy
+executor). The acceptance ops' CPU bodies are the vectorised walks of specc.verify. Triton has no CPU code generator, so the kernels are tested on
 CPU under ``TRITON_INTERPRET=1`` against the references (tests/test_kernels.py).
 
 The package lives inside specc/ rather than in a top-level kernels/ folder: transformers probes

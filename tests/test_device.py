@@ -1,0 +1,47 @@
+"""Where an engine runs: --device is checked before any work, and moving an engine's tensors to a
+device keeps every tensor that several graphs share as one tensor there."""
+import pytest
+import torch
+
+from tiny import tiny_model
+
+import specc
+from specc.backends import check_device, move_states
+from specc.errors import SpeccError
+
+
+def test_check_device():
+    assert check_device("cpu") == "cpu"
+    with pytest.raises(SpeccError, match="not a device"):
+        check_device("gpu please")
+    with pytest.raises(SpeccError, match="cpu or cuda"):
+        check_device("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(SpeccError, match="needs a CUDA GPU"):
+            check_device("cuda")
+
+
+def test_move_states_keeps_shared_tensors_shared():
+    head, cache = torch.randn(4, 3), torch.zeros(2, 5)
+    states = {"target": {"w_head": head, "blocks.0.k_cache": cache},
+              "mtp": {"w_head": head, "k_cache": torch.zeros(1)},
+              "fused": {"w_head": head, "blocks.0.k_cache": cache}}
+    assert move_states(states, "cpu") is states
+    moved = move_states(states, "meta")  # any device but the CPU takes the same path
+    assert moved["target"]["w_head"].device.type == "meta"
+    assert moved["target"]["w_head"] is moved["mtp"]["w_head"] is moved["fused"]["w_head"]
+    assert moved["target"]["blocks.0.k_cache"] is moved["fused"]["blocks.0.k_cache"]  # one cache, one set of writes
+    assert moved["mtp"]["k_cache"] is not moved["target"]["blocks.0.k_cache"]
+
+
+def test_engine_records_and_loads_its_device(tmp_path):
+    model = tiny_model("llama", vocab=64, layers=1, seed=2)
+    model.save_pretrained(tmp_path / "m")
+    path = specc.compile(tmp_path / "m", drafter="ngram", tree="chain:2", output_dir=tmp_path / "e", max_len=64,
+                         prefill_chunk=8, progress=False, device="cpu")
+    engine = specc.load(path, device="cpu")
+    assert engine.manifest["device"] == "cpu" and engine.device == torch.device("cpu")
+    assert len(engine.generate([5, 6, 7, 5, 6], max_new_tokens=6, stop_at_eos=False).token_ids) == 6
+    if not torch.cuda.is_available():
+        with pytest.raises(SpeccError, match="needs a CUDA GPU"):
+            specc.load(path, device="cuda")
