@@ -162,7 +162,7 @@ def cache_key(lifted_ep: torch.export.ExportedProgram, sub: dict, example_args: 
         h.update(name.encode())
         if isinstance(c, torch.Tensor):
             h.update(f"{tuple(c.shape)}{c.dtype}".encode())
-            h.update(c.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            h.update(c.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         else:
             h.update(repr(c).encode())
     return h.hexdigest()[:32]

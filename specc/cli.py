@@ -144,7 +144,8 @@ def cmd_inspect(a) -> int:
     print(f"tree        {m['tree']['spec']}: {tree.size} nodes, depth {tree.max_depth}, max width {tree.max_width}")
     for line in tree_report_lines(m["tree"]):
         print("            " + line)
-    print(f"backend     {m['backend']}, dtype {m['dtype']}, max_len {m['max_len']}, prefill chunk {m['prefill_chunk']}")
+    print(f"backend     {m['backend']} on {m.get('device', 'cpu')}, dtype {m['dtype']}, max_len {m['max_len']}, "
+          f"prefill chunk {m['prefill_chunk']}")
     print(f"versions    specc {m['specc_version']}, torch {m['torch_version']}, transformers {m['transformers_version']}")
     print(f"files       {len(m['files'])} (sha256 recorded)")
     if a.passes:

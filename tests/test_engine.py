@@ -257,7 +257,7 @@ def test_mtp_engine_greedy_and_drafts(tmp_path, arch, backend, tree, kind):
     entry = json.loads((path / "specc.json").read_text())["drafter"]
     assert entry == {"kind": "mtp", "depth": k, "trained_depth": heads.config.depth, "num_modules": 1,
                      "order": heads.config.order, "feedback": heads.config.feedback,
-                     "has_final_norm": heads.config.has_final_norm}
+                     "has_final_norm": heads.config.has_final_norm, "children": "topk"}
     with safe_open(str(path / "draft" / MTP_FILE), "pt") as st:  # the engine keeps no head or embedding copy
         assert not any("shared_head.head" in key or "embed_tokens" in key for key in st.keys())
     engine = specc.load(path)

@@ -125,13 +125,18 @@ def test_speculative_sampling_on_a_tree_matches_target(models, tmp_path, childre
 def test_sampled_children_with_a_wrong_q_are_detected(models, tmp_path, monkeypatch):
     """Negative control for sampled children: a verifier that takes the children for draws from the
     uniform distribution (not the drafter's q they came from) must fail the same test."""
+    traced_with_q = []
+
     def wrong_q(logits, tokens, parents, children, temperature, top_p, uniforms, draft_probs=None):
-        assert draft_probs is not None  # the engine verifies sampled children with their q
+        if draft_probs is None:  # the plain graph (a tree without drafts)
+            return accept(logits, tokens, parents, children, temperature, top_p, uniforms)
+        traced_with_q.append(1)
         return accept(logits, tokens, parents, children, temperature, top_p, uniforms,
                       torch.full_like(draft_probs, 1.0 / V))
 
     monkeypatch.setattr(verify_pass, "accept", wrong_q)
     root, target = models
     samples, _ = tree_samples(root, target, tmp_path, "sampled")
+    assert traced_with_q  # the step graph verifies sampled children with a q
     p = g_test(samples, exact_distribution(target, 1.0))
     assert p < 1e-3, f"the wrong q was not detected (p={p:.2e})"

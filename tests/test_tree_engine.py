@@ -150,8 +150,9 @@ def test_measured_tree_refusals(tmp_path):
     assert not (tmp_path / "e").exists()
 
 
+# Inductor: the sampled DFlash engine (greedy runs take its top-k path); the SmolLM2 tests run the
+# shipped drafters' top-k engines fused on inductor.
 @pytest.mark.parametrize("kind,backend,tree,children", [("dflash", "eager", None, "topk"), ("mtp", "eager", None, "topk"),
-                                                        ("dflash", "inductor", "chain:3", "topk"),
                                                         ("mtp", "eager", None, "sampled"),
                                                         ("dflash", "inductor", None, "sampled")])
 def test_fused_step_equals_unfused(tmp_path, kind, backend, tree, children):
