@@ -54,6 +54,8 @@ def check_device(device: str) -> str:
                          f"(torch {torch.__version__}).")
     if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
         raise SpeccError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s).")
+    if d.type == "cuda" and d.index is None:  # "cuda" is the current GPU: name it, so cuda and cuda:0 agree
+        d = torch.device("cuda", torch.cuda.current_device())
     return str(d)
 
 
@@ -73,13 +75,17 @@ def move_states(states: dict[str, dict[str, torch.Tensor]], device: str) -> dict
 
 
 def on_device(ep: torch.export.ExportedProgram, device: str) -> torch.export.ExportedProgram:
-    """The program with its constants and the devices written into its nodes (arange, zeros) on `device`.
-    Programs are captured on CPU; this is how an engine's graphs reach a GPU."""
+    """A copy of the program with its constants and the devices written into its nodes (arange,
+    zeros) on `device`. Programs are captured on CPU; this is how an engine's graphs reach a GPU.
+    A copy: move_to_device_pass works in place, and the CPU program may still be needed (the
+    fused step is built from the step and drafter programs after they were lowered)."""
     if torch.device(device).type == "cpu":
         return ep
+    import copy
+
     from torch.export.passes import move_to_device_pass
 
-    return move_to_device_pass(ep, device)
+    return move_to_device_pass(copy.deepcopy(ep), device)
 
 
 def state_names(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, str]:

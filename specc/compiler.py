@@ -444,8 +444,8 @@ def load(path, check_hashes: bool = True, device: str | None = None) -> Engine:
                          f"{torch.__version__}; compile the engine again.")
     compiled_for = manifest.get("device", "cpu")
     device = check_device(device or compiled_for)
-    if backend == "inductor" and torch.device(device) != torch.device(compiled_for):
-        raise SpeccError(f"this engine's graphs were compiled for {compiled_for}; load it there, or compile it again "
+    if backend == "inductor" and device != check_device(compiled_for):
+        raise SpeccError(f"this engine's graphs were compiled for {compiled_for}; run it there, or compile it again "
                          f"with --device {device}.")
     dtype = parse_dtype(manifest["dtype"])
     model = AutoModelForCausalLM.from_pretrained(path / "target", dtype=dtype).eval().requires_grad_(False)

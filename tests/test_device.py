@@ -45,3 +45,20 @@ def test_engine_records_and_loads_its_device(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(SpeccError, match="needs a CUDA GPU"):
             specc.load(path, device="cuda")
+
+
+def test_on_device_moves_a_copy():
+    """move_to_device_pass works in place; the engine still needs the CPU program afterwards (the
+    fused step is built from the lowered step and drafter programs), so on_device moves a copy."""
+    from specc.backends import on_device
+    from specc.capture import TargetModule, capture, causal_mask
+
+    tm = TargetModule(tiny_model("llama", vocab=64, layers=1, seed=2), 16)
+    T = 2
+    ep = capture(tm, (torch.zeros(1, T, dtype=torch.int64), torch.arange(T).view(1, T), torch.arange(T),
+                      causal_mask(T, 0, 16)))
+    assert on_device(ep, "cpu") is ep
+    moved = on_device(ep, "meta")  # any device but the CPU takes the same path
+    assert moved is not ep
+    assert all(t.device.type == "meta" for t in moved.state_dict.values())
+    assert all(t.device.type == "cpu" for t in ep.state_dict.values())
