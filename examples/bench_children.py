@@ -8,42 +8,33 @@ Each generates on the first --limit prompts of MT-Bench and of HumanEval (chat t
 
 Usage: python examples/bench_children.py [--configs "mtp=chain:3;dflash=chain:3;dflash=topk:2,2"]
            [--limit 3] [--seeds 2] [--temperature 1.0] [--max-new-tokens 96] [--backend eager]
-           [--out BENCHMARKS.md]
+           [--write BENCHMARKS.md] [--json]
+Prints the run; writes it (under History, newest first, Current figures regenerated) only with --write.
 """
 import argparse
-import datetime
-import os
-import platform
 import sys
 
-import torch
-
 import specc
+from specc.models import quiet_libraries
+from specc import benchfile
+from specc.bench import engine_label
 from specc.data import load_prompts
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    benchfile.add_arguments(ap, limit=3, max_new_tokens=96)
     ap.add_argument("--configs", default="mtp=chain:3;dflash=chain:3;dflash=topk:2,2",
                     help="KIND=TREE items separated by ';'")
-    ap.add_argument("--limit", type=int, default=3)
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--backend", default="eager")
     ap.add_argument("--engines", default="engines/bench-children")
-    ap.add_argument("--out", default="BENCHMARKS.md")
     a = ap.parse_args()
-    cmd = "python examples/bench_children.py " + " ".join(sys.argv[1:])
-    lines = [f"\n## Top-k vs sampled children at temperature {a.temperature}, {datetime.date.today().isoformat()}\n",
-             f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} (CPU). "
-             f"SmolLM2-135M-Instruct with the shipped drafters, {a.backend}, temperature {a.temperature}, top-p 1, "
-             f"{a.max_new_tokens} new tokens, first {a.limit} prompts of each set (chat template) x {a.seeds} seeds, "
-             f"EOS ignored. tau pooled over the runs: committed tokens / verify steps.\n",
-             f"```\n{cmd}\n```\n",
-             "| drafter | tree | MT-Bench tau, top-k | MT-Bench tau, sampled | HumanEval tau, top-k "
+    lines = ["| drafter | tree | MT-Bench tau, top-k | MT-Bench tau, sampled | HumanEval tau, top-k "
              "| HumanEval tau, sampled |",
              "|---|---|---|---|---|---|"]
+    figures = []
     sets = {name: load_prompts(name, a.limit) for name in ("mt-bench", "humaneval")}
     for item in a.configs.split(";"):
         kind, _, tree = item.partition("=")
@@ -52,6 +43,10 @@ def main() -> int:
             out = f"{a.engines}/{kind}-{tree.replace(':', '').replace(',', '-')}-{children}"
             engine = specc.load(specc.compile(None, drafter=kind, tree=tree, backend=a.backend, output_dir=out,
                                               max_len=1024, children=children, progress=False))
+            # engine_label names sampled children and a backend other than inductor; top-k is said here
+            # so that the two rows of a pair read alike.
+            label = engine_label(engine.manifest).replace(", sampled children", "")
+            label = f"{label}, {children} children, T={a.temperature:g}"
             for name, prompts in sets.items():
                 tokens = steps = 0
                 for p in prompts:
@@ -62,18 +57,19 @@ def main() -> int:
                         tokens += r.stats.new_tokens - 1  # the first token comes from prefill
                         steps += r.stats.steps
                 tau[name, children] = tokens / steps
-                print(f"{kind} {tree} {children} {name}: tau {tau[name, children]:.3f}", flush=True)
+                figures.append(benchfile.figure(label, name, model=engine.manifest["target"]["name"],
+                                                tau=tau[name, children], new_tokens=a.max_new_tokens,
+                                                prompts=len(prompts), note=f"{a.seeds} seeds per prompt, tau pooled"))
+                print(f"{kind} {tree} {children} {name}: tau {tau[name, children]:.3f}", file=sys.stderr, flush=True)
         lines.append(f"| {kind} | {tree} | {tau['mt-bench', 'topk']:.3f} | {tau['mt-bench', 'sampled']:.3f} "
                      f"| {tau['humaneval', 'topk']:.3f} | {tau['humaneval', 'sampled']:.3f} |")
-        print(lines[-1], flush=True)
-    with open(a.out, "a") as f:
-        f.write("\n".join(lines) + "\n\n")
-    print(f"appended to {a.out}")
-    return 0
+    setup = (f"SmolLM2-135M-Instruct with the shipped drafters, {a.backend}, temperature {a.temperature}, top-p 1, "
+             f"{a.max_new_tokens} new tokens, first {a.limit} prompts of each set (chat template) x {a.seeds} seeds, "
+             f"EOS ignored. tau pooled over the runs: committed tokens / verify steps.")
+    run = benchfile.new_run(f"Top-k vs sampled children at temperature {a.temperature}", figures)
+    return benchfile.finish(a, run, setup, "\n".join(lines))
 
 
 if __name__ == "__main__":
-    from specc.cli import _quiet_libraries
-
-    _quiet_libraries()
+    quiet_libraries()
     sys.exit(main())

@@ -6,22 +6,18 @@ template on), each against plain decoding through the same engine and against HF
 prints each drafter's held-out tau from its training run, for comparison with the tau measured here.
 
 Usage: python examples/bench_drafters.py [--configs dflash@4=chain:3,dflash=sequoia:8,mtp=chain:1]
-           [--dflash DIR] [--mtp DIR] [--limit 5] [--max-new-tokens 256] [--out BENCHMARKS.md]
+           [--dflash DIR] [--mtp DIR] [--limit 5] [--max-new-tokens 256] [--write BENCHMARKS.md] [--json]
 Config items: dflash[@BLOCK]=TREE or mtp=TREE, TREE as for `specc compile --tree` (the DFlash block
 defaults to the tree's depth + 1). Without --dflash / --mtp, the drafters shipped with specc for
-SmolLM2 are used.
+SmolLM2 are used. Prints the run; writes it (under History, newest first, Current figures
+regenerated) only with --write.
 """
 import argparse
-import datetime
-import json
-import os
-import platform
 import sys
-from pathlib import Path
-
-import torch
 
 import specc
+from specc.models import quiet_libraries
+from specc import benchfile
 from specc.bench import drafter_label, run_bench
 from specc.shipped import shipped_drafter, training_summary
 
@@ -36,18 +32,16 @@ def parse_config(item: str):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    benchfile.add_arguments(ap, limit=5, max_new_tokens=256)
     ap.add_argument("--dflash", help="a DFlash drafter for SmolLM2 (default: the shipped one)")
     ap.add_argument("--mtp", help="MTP heads for SmolLM2 (default: the shipped ones)")
     ap.add_argument("--configs", default="dflash@4=chain:3,dflash@8=chain:7,dflash@16=chain:15,"
                                          "mtp=chain:1,mtp=chain:2,mtp=chain:3,mtp=chain:4")
-    ap.add_argument("--limit", type=int, default=5)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--datasets", default="humaneval,mt-bench")
     ap.add_argument("--engines", default="engines/bench-drafters")
-    ap.add_argument("--out", default="BENCHMARKS.md")
     a = ap.parse_args()
-    cmd = "python examples/bench_drafters.py " + " ".join(sys.argv[1:])
+    cmd = benchfile.command_line()
     configs = [parse_config(c) for c in a.configs.split(",")]
     paths = {"dflash": a.dflash, "mtp": a.mtp}
 
@@ -55,16 +49,10 @@ def main() -> int:
     for kind, block, tree in configs:
         name = f"{kind}{f'-b{block}' if block else ''}-{tree.replace(':', '')}"
         path = specc.compile(None, drafter=kind, drafter_path=paths[kind], block_size=block, tree=tree,
-                             backend="inductor", output_dir=f"{a.engines}/{name}", max_len=1024)
+                             backend="inductor", output_dir=f"{a.engines}/{name}", max_len=1024, progress=not a.json)
         engines.append(path)
 
-    lines = [f"\n## Trained drafters, {datetime.date.today().isoformat()}\n",
-             f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} (CPU), "
-             f"{torch.get_num_threads()} threads. SmolLM2-135M-Instruct, fp32, inductor backend, greedy, "
-             f"{a.max_new_tokens} new tokens per prompt, first {a.limit} prompts of each set, chat template on, EOS "
-             f"ignored; warm-up excluded; medians over prompts. Every speculative row ran side by side with plain "
-             f"decoding through the same engine; HF generate() ran once per set, beside the first row.\n",
-             f"```\n{cmd}\n```\n"]
+    lines, figures = [], []
     for kind in dict.fromkeys(k for k, _, _ in configs):
         summary = training_summary(paths[kind] or shipped_drafter(kind))
         if summary:
@@ -73,9 +61,12 @@ def main() -> int:
                          + ", ".join(f"{k} {v}" for k, v in summary["eval"].items() if k.startswith("tau")) + ".\n")
     for ds in a.datasets.split(","):
         reports = [run_bench(p, dataset=ds, limit=a.limit, max_new_tokens=a.max_new_tokens,
-                             baseline="both" if i == 0 else "ar", command=cmd) for i, p in enumerate(engines)]
+                             baseline="both" if i == 0 else "ar", command=cmd, progress=not a.json)
+                   for i, p in enumerate(engines)]
         hf = next(r for r in reports[0]["rows"] if r["method"] == "hf")
-        lines += [f"### {ds} ({reports[0]['prompts']} prompts)\n",
+        figures.append(benchfile.figure(benchfile.HF, ds, model=reports[0]["model"], tokens_per_s=hf["tokens_per_s"],
+                                        vs_hf=1.0, new_tokens=a.max_new_tokens, prompts=hf["prompts"]))
+        lines += [f"#### {ds} ({reports[0]['prompts']} prompts)\n",
                   "| method | tau | tokens/s (median) | plain tokens/s (same run) | vs plain | vs HF generate() |",
                   "|---|---|---|---|---|---|",
                   f"| HF generate() | - | {hf['tokens_per_s']:.2f} | - | - | 1.00x |"]
@@ -84,19 +75,22 @@ def main() -> int:
             s, p = by["speculative"], by["ar"]
             lines.append(f"| {drafter_label(rep)} | {s['tau']:.2f} | {s['tokens_per_s']:.2f} | {p['tokens_per_s']:.2f} | "
                          f"{s['speedup_vs_ar']:.2f}x | {s['tokens_per_s'] / hf['tokens_per_s']:.2f}x |")
+            figures.append(benchfile.figure(rep["config"], ds, model=rep["model"], tau=s["tau"],
+                                            tokens_per_s=s["tokens_per_s"], vs_plain=s["speedup_vs_ar"],
+                                            vs_hf=s["tokens_per_s"] / hf["tokens_per_s"],
+                                            new_tokens=a.max_new_tokens, prompts=s["prompts"]))
         lines.append("")
         for rep in reports:
             lines.append(f"{drafter_label(rep)}: accepted drafts per step (0, 1, 2, ...) {rep['accepted_hist']}; "
                          f"greedy output identical to plain decoding on {rep['greedy_identical_to_ar']} prompts.")
         lines.append("")
-    with open(a.out, "a") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"appended to {a.out}")
-    return 0
+    setup = (f"SmolLM2-135M-Instruct, fp32, inductor backend, greedy, {a.max_new_tokens} new tokens per prompt, first "
+             f"{a.limit} prompts of each set, chat template on, EOS ignored; warm-up excluded; medians over prompts. "
+             f"Every speculative row ran side by side with plain decoding through the same engine; HF generate() ran "
+             f"once per set, beside the first row.")
+    return benchfile.finish(a, benchfile.new_run("Trained drafters", figures, command=cmd), setup, "\n".join(lines))
 
 
 if __name__ == "__main__":
-    from specc.cli import _quiet_libraries
-
-    _quiet_libraries()
+    quiet_libraries()
     sys.exit(main())

@@ -5,24 +5,27 @@ and B back to back, --rounds times, the order swapped every round; the figure is
 the pairs of A / B decode ms per step (prefill excluded), with the share of pairs B won.
 
 Usage: python examples/bench_engines_ab.py A_DIR B_DIR [--plain] [--limit 4] [--rounds 3]
-           [--max-new-tokens 128] [--dataset mt-bench]
+           [--max-new-tokens 128] [--dataset mt-bench] [--write BENCHMARKS.md] [--json]
+Prints the run; writes it (under History, newest first) only with --write. Two builds of one
+configuration are not two configurations, so the run adds no row to Current figures.
 """
 import argparse
 import statistics
 import sys
 
 import specc
+from specc.models import quiet_libraries
+from specc import benchfile
 from specc.data import load_prompts
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("a")
     ap.add_argument("b")
+    benchfile.add_arguments(ap, limit=4, max_new_tokens=128)
     ap.add_argument("--plain", action="store_true", help="plain decoding through each engine (no drafts)")
-    ap.add_argument("--limit", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dataset", default="mt-bench")
     args = ap.parse_args()
     engines = {"A": specc.load(args.a), "B": specc.load(args.b)}
@@ -43,15 +46,22 @@ def main() -> int:
                 outs[name] = r.token_ids
             same += outs["A"] == outs["B"]
     ratios = [a / b for a, b in zip(ms["A"], ms["B"])]
-    print(f"decode ms/step ({'plain' if args.plain else 'speculative'}): A {statistics.median(ms['A']):.2f}, "
-          f"B {statistics.median(ms['B']):.2f}; B speedup (median of {len(ratios)} pairs) "
-          f"{statistics.median(ratios):.3f}x, B faster in {sum(r > 1 for r in ratios)}/{len(ratios)}; "
-          f"identical tokens in {same}/{len(ratios)}")
-    return 0
+    mode = "plain" if args.plain else "speculative"
+    result = {"mode": mode, "a": args.a, "b": args.b, "a_ms_per_step": round(statistics.median(ms["A"]), 4),
+              "b_ms_per_step": round(statistics.median(ms["B"]), 4), "pairs": len(ratios),
+              "b_speedup": round(statistics.median(ratios), 4), "b_faster": sum(r > 1 for r in ratios),
+              "identical": same}
+    body = (f"decode ms/step ({mode}): A {result['a_ms_per_step']:.2f}, B {result['b_ms_per_step']:.2f}; B speedup "
+            f"(median of {len(ratios)} pairs) {result['b_speedup']:.3f}x, B faster in "
+            f"{result['b_faster']}/{len(ratios)}; identical tokens in {same}/{len(ratios)}.\n\n"
+            f"A: `{args.a}`; B: `{args.b}`.")
+    setup = (f"{mode.capitalize()} decoding through each engine, first {len(ids)} {args.dataset} prompts "
+             f"(chat template) x {args.max_new_tokens} new tokens x {args.rounds} rounds, paired, order swapped each "
+             f"round, EOS ignored, warm-up excluded; decode ms per step excludes prefill.")
+    run_ = benchfile.new_run("Two engines paired", [], result=result)
+    return benchfile.finish(args, run_, setup, body)
 
 
 if __name__ == "__main__":
-    from specc.cli import _quiet_libraries
-
-    _quiet_libraries()
+    quiet_libraries()
     sys.exit(main())

@@ -17,12 +17,14 @@ drafter's proposal through its own graph) alternate call by call `--calls` times
 cache, so slow drift of the machine cancels; medians of the per-call times.
 
 Usage: python examples/bench_fused.py [--configs dflash=chain:3,mtp=chain:1] [--limit 8] [--rounds 3]
-           [--calls 200] [--max-new-tokens 128] [--dataset mt-bench] [--out BENCHMARKS.md]
+           [--calls 200] [--max-new-tokens 128] [--dataset mt-bench] [--write BENCHMARKS.md] [--json]
+Prints the run; writes it (under History, newest first, Current figures regenerated) only with --write.
+
+Unlike the other bench scripts this one reaches below the public API, since switching the fused
+step off and timing single step calls is what it measures: engine.use_fused, engine.graphs,
+engine.drafter, engine.tree and specc.prefill.tap_rows.
 """
 import argparse
-import datetime
-import os
-import platform
 import statistics
 import sys
 import time
@@ -30,8 +32,11 @@ import time
 import torch
 
 import specc
+from specc.models import quiet_libraries
+from specc import benchfile
+from specc.bench import engine_label
 from specc.data import load_prompts
-from specc.runtime import tap_rows
+from specc.prefill import tap_rows
 
 
 def decode_ms_per_step(r) -> float:
@@ -69,33 +74,23 @@ def step_calls(engine, ids: list[int], calls: int) -> tuple[float, float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    benchfile.add_arguments(ap, limit=8, max_new_tokens=128)
     ap.add_argument("--configs", default="dflash=chain:3,mtp=chain:1")
-    ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--dataset", default="mt-bench")
     ap.add_argument("--engines", default="engines/bench-fused")
-    ap.add_argument("--out", default="BENCHMARKS.md")
     a = ap.parse_args()
-    cmd = "python examples/bench_fused.py " + " ".join(sys.argv[1:])
-    lines = [f"\n## Fused decode step vs unfused, {datetime.date.today().isoformat()}\n",
-             f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} (CPU), "
-             f"{torch.get_num_threads()} threads. SmolLM2-135M-Instruct with the shipped drafters, fp32, inductor, "
-             f"greedy, {a.max_new_tokens} new tokens, first {a.limit} {a.dataset} prompts (chat template), EOS "
-             f"ignored, warm-up excluded. Each prompt runs fused and unfused back to back {a.rounds} times (order "
-             f"swapped each round), then plain. Speedup: median over the {a.limit * a.rounds} pairs of unfused / "
-             f"fused decode ms per step (prefill excluded).\n",
-             f"```\n{cmd}\n```\n",
-             "| drafter | tree | decode ms/step fused | decode ms/step unfused | fused speedup (median of pairs) "
+    figures = []
+    lines = ["| drafter | tree | decode ms/step fused | decode ms/step unfused | fused speedup (median of pairs) "
              "| pairs fused faster | step call fused (ms) | step call unfused (ms) | step call speedup "
              "| fused tokens/s | plain tokens/s | fused vs plain | tau | identical tokens |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     prompts = load_prompts(a.dataset, a.limit)
     for item in a.configs.split(","):
         kind, _, tree = item.partition("=")
-        path = specc.compile(None, drafter=kind, tree=tree, backend="inductor",
+        path = specc.compile(None, drafter=kind, tree=tree, backend="inductor", progress=not a.json,
                              output_dir=f"{a.engines}/{kind}-{tree.replace(':', '').replace(',', '-')}", max_len=1024)
         engine = specc.load(path)
         ids = [engine.encode(p, chat=True) for p in prompts]
@@ -131,15 +126,20 @@ def main() -> int:
                      f"| {faster}/{len(ratios)} | {call_f:.2f} | {call_u:.2f} | {call_u / call_f:.3f}x "
                      f"| {med(tps):.2f} | {med(plain_tps):.2f} | "
                      f"{med(tps) / med(plain_tps):.2f}x | {med(tau):.2f} | {same}/{len(ids)} |")
-        print(lines[-1], flush=True)
-    with open(a.out, "a") as f:
-        f.write("\n".join(lines) + "\n\n")
-    print(f"appended to {a.out}")
-    return 0
+        print(lines[-1], file=sys.stderr, flush=True)
+        # The fused step is what an engine runs by default, so its figures are the configuration's.
+        figures.append(benchfile.figure(engine_label(engine.manifest), a.dataset,
+                                        model=engine.manifest["target"]["name"], tau=med(tau), tokens_per_s=med(tps),
+                                        vs_plain=med(tps) / med(plain_tps),
+                                        new_tokens=a.max_new_tokens, prompts=len(ids),
+                                        note=f"median of {len(tps)} runs, fused step"))
+    setup = (f"SmolLM2-135M-Instruct with the shipped drafters, fp32, inductor, greedy, {a.max_new_tokens} new tokens, "
+             f"first {a.limit} {a.dataset} prompts (chat template), EOS ignored, warm-up excluded. Each prompt runs "
+             f"fused and unfused back to back {a.rounds} times (order swapped each round), then plain. Speedup: median "
+             f"over the {a.limit * a.rounds} pairs of unfused / fused decode ms per step (prefill excluded).")
+    return benchfile.finish(a, benchfile.new_run("Fused decode step vs unfused", figures), setup, "\n".join(lines))
 
 
 if __name__ == "__main__":
-    from specc.cli import _quiet_libraries
-
-    _quiet_libraries()
+    quiet_libraries()
     sys.exit(main())

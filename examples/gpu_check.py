@@ -59,8 +59,8 @@ def main() -> int:
         return 2
 
     import specc.kernels as K
-    from specc.capture import NEG_INF
-    from specc.verify import accept_greedy, sampling_probs, tree_depth
+    from specc.target_module import NEG_INF
+    from specc.acceptance import accept_greedy, sampling_probs, tree_depth
 
     dev = torch.device("cuda")
     ops = torch.ops.specc
@@ -210,7 +210,7 @@ def main() -> int:
         print(f"| {r['kernel']} | {r['shape']} | {r['dtype']} | {r['check']} | {'yes' if r['ok'] else 'NO'} | "
               f"{r['triton_us']} | {r['torch_us']} | {r['speedup']} |")
     print(f"\n{len(rows) - len(failed)}/{len(rows)} checks passed in {wall:.0f} s. Torch columns: SDPA with the float "
-          f"mask; specc.verify.accept_greedy (vectorised); the Python reference walks for sampling; "
+          f"mask; specc.acceptance.accept_greedy (vectorised); the Python reference walks for sampling; "
           f"index_select + index_copy_ for compaction.")
     if engine is not None:
         print_engine(engine, wall)

@@ -5,18 +5,17 @@ import torch
 from torch import nn
 
 import specc.kernels  # noqa: F401  (registers torch.ops.specc.compact_kv_)
-from specc.pipeline import example_inputs, retrace
+from specc.pipeline import example_inputs, capture
 from specc.tree import Tree
 
 
 class CompactKV(nn.Module):
-    def __init__(self, inner: nn.Module, depth: int):
+    def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner = inner
-        self.depth = depth
         self.cache_names = [n for n, _ in inner.named_buffers() if n.endswith(("k_cache", "v_cache"))]
 
-    def forward(self, tokens, base_len, *rest):  # rest: temperature, top_p, uniforms (+ draft_q, sampled children)
+    def forward(self, tokens, base_len, *rest):  # rest: the StepSignature inputs after these two
         n, path, out, *taps = self.inner(tokens, base_len, *rest)
         # Slot base_len + i receives node path[i]: an accepted node's index is at least its depth, and
         # the padding repeats the last node, so the op's in-place precondition holds (specc/kernels/compact_kv.py).
@@ -32,4 +31,4 @@ def compact_kv(ep: torch.export.ExportedProgram, tree: Tree) -> torch.export.Exp
     accepted path is already in place and the program is returned unchanged."""
     if tree.is_chain:
         return ep
-    return retrace(CompactKV(ep.module(), tree.max_depth), example_inputs(ep))
+    return capture(CompactKV(ep.module()), example_inputs(ep))

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specc.pipeline import example_inputs, retrace
-from specc.verify import accept
+from specc.pipeline import example_inputs, capture
+from specc.acceptance import accept
 
 
 class SampleLast(nn.Module):
@@ -29,4 +29,4 @@ def sample_last(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgra
     beyond the committed length and are overwritten later."""
     tokens, base_len = example_inputs(ep)
     args = (tokens, base_len, torch.tensor(1), torch.tensor(0.0), torch.tensor(1.0), torch.zeros(2))
-    return retrace(SampleLast(ep.module()), args)
+    return capture(SampleLast(ep.module()), args)

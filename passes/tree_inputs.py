@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specc.capture import NEG_INF
-from specc.pipeline import retrace
+from specc.target_module import NEG_INF
+from specc.pipeline import capture
 from specc.tree import Tree
 
 
@@ -36,4 +36,4 @@ def tree_inputs(ep: torch.export.ExportedProgram, tree: Tree, cache_len: int) ->
     itself. A prefill chunk is the chain tree, so the same pass serves prefill and decode.
     The caller guarantees base_len + T <= cache_len."""
     module = TreeInputs(ep.module(), tree, cache_len)
-    return retrace(module, (torch.zeros(tree.size, dtype=torch.int64), torch.tensor(0)))
+    return capture(module, (torch.zeros(tree.size, dtype=torch.int64), torch.tensor(0)))

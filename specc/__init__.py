@@ -1,6 +1,7 @@
 """specc: a compiler for lossless speculative decoding of Hugging Face causal LMs.
 
     path = specc.compile(model, drafter="ngram", tree="chain:4", backend="inductor", output_dir=...)
+    path = specc.compile(model, specc.CompileConfig(drafter="ngram", output_dir=...))  # the same
     engine = specc.load(path)
     res = engine.generate("prompt", max_new_tokens=256)
 """
@@ -8,7 +9,7 @@ __version__ = "0.1.0"
 
 from .errors import SpeccError  # noqa: E402
 
-__all__ = ["compile", "load", "Engine", "Result", "Stats", "SpeccError", "__version__"]
+__all__ = ["compile", "load", "CompileConfig", "Engine", "Result", "Stats", "SpeccError", "__version__"]
 
 
 def __getattr__(name):
@@ -16,6 +17,9 @@ def __getattr__(name):
     if name in ("compile", "load"):
         from . import compiler
         return getattr(compiler, name)
+    if name == "CompileConfig":
+        from .config import CompileConfig
+        return CompileConfig
     if name in ("Engine", "Result", "Stats"):
         from . import runtime
         return getattr(runtime, name)

@@ -134,10 +134,6 @@ class Lifted(nn.Module):
         return torch.func.functional_call(self.module, {fqn: state[c] for fqn, c in self.names.items()}, args)
 
 
-def graph_state_keys(ep: torch.export.ExportedProgram, state: dict[str, torch.Tensor]) -> list[str]:
-    return sorted(set(state_names(ep.module(), state).values()))
-
-
 def lift(ep: torch.export.ExportedProgram, state: dict[str, torch.Tensor], example_args: tuple):
     """Export the program again with the engine's tensors it uses as a leading dict input."""
     module = ep.module()
@@ -147,11 +143,13 @@ def lift(ep: torch.export.ExportedProgram, state: dict[str, torch.Tensor], examp
         return torch.export.export(Lifted(module, names), (sub, *example_args), strict=False), sub
 
 
-def _kernel_sources() -> str:
-    """The specc ops are triton_ops whose bodies Inductor inlines (the acceptance ops' CPU bodies are
-    the walks of verify.py): their source is part of the compiled code."""
-    here = Path(__file__).parent
-    return "".join(p.read_text() for p in sorted((here / "kernels").glob("*.py")) + [here / "verify.py"])
+def kernel_sources() -> str:
+    """The specc ops are triton_ops whose bodies Inductor inlines (the acceptance rules' entry points
+    in acceptance.py pick them): their source is part of the compiled code."""
+    import specc.kernels
+
+    files = sorted(Path(specc.kernels.__file__).parent.glob("*.py")) + [Path(__file__).parent / "acceptance.py"]
+    return "".join(p.read_text() for p in files)
 
 
 def cache_key(lifted_ep: torch.export.ExportedProgram, sub: dict, example_args: tuple) -> str:
@@ -162,7 +160,7 @@ def cache_key(lifted_ep: torch.export.ExportedProgram, sub: dict, example_args: 
     for part in (lifted_ep.graph_module.code,
                  repr([(k, tuple(v.shape), str(v.dtype)) for k, v in sub.items()]),
                  repr([(tuple(a.shape), str(a.dtype)) for a in example_args]),
-                 torch.__version__, "specc-aoti-3", _kernel_sources()):
+                 torch.__version__, "specc-aoti-3", kernel_sources()):
         h.update(part.encode())
     for name, c in sorted(lifted_ep.constants.items()):
         h.update(name.encode())
@@ -204,3 +202,23 @@ class InductorGraph:
     def __call__(self, *args):
         with torch.no_grad():
             return self.runner(self.state, *args)
+
+
+def lower_graph(backend: str, ep: torch.export.ExportedProgram, state: dict[str, torch.Tensor], folder: Path,
+                name: str, example_args: tuple, device: str) -> dict:
+    """Lower one finished program into the engine directory `folder`; returns its manifest fields
+    (the file, relative to `folder`, and what loading it needs). An eager graph has no file: it is
+    captured again from the engine's modules when loaded."""
+    if backend == "eager":
+        return {"file": None}
+    (folder / "graphs").mkdir(exist_ok=True)
+    rel = f"graphs/{name}.pt2"
+    keys = compile_inductor(on_device(ep, device), state, folder / rel, tuple(a.to(device) for a in example_args))
+    return {"file": rel, "state_keys": keys}
+
+
+def open_graph(backend: str, folder: Path, entry: dict, state: dict[str, torch.Tensor], build, device: str):
+    """The callable for one graph of an engine: `build()` gives its program again (eager)."""
+    if backend == "eager":
+        return EagerGraph(on_device(build(), device), state)
+    return InductorGraph(folder / entry["file"], state, entry["state_keys"])

@@ -7,9 +7,6 @@ number of new tokens (EOS does not stop any method), warm-up excluded, medians q
 """
 from __future__ import annotations
 
-import datetime
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -17,6 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from . import benchfile
 from .data import load_prompts
 from .errors import SpeccError
 
@@ -108,9 +106,8 @@ def run_bench(engine_dir, dataset: str = "mt-bench", limit: int | None = 10, max
         "engine": str(engine_dir), "dataset": dataset, "prompts": len(fits), "skipped_too_long": len(all_ids) - len(fits),
         "max_new_tokens": max_new_tokens, "chat_template": use_chat, "backend": m["backend"],
         "drafter": m["drafter"], "tree": m["tree"]["spec"], "tree_nodes": len(m["tree"]["paths"]),
-        "model": m["target"]["name"],
-        "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "config": engine_label(m), "model": m["target"]["name"], "device": m.get("device", "cpu"),
+        "date": benchfile.today(), "machine": benchfile.machine_text(benchfile.machine(m.get("device", "cpu"))),
         "greedy_identical_to_ar": f"{identical}/{len(fits)}" if "ar" in runs and speculative else None,
         "accepted_hist": hist, "rows": rows, "command": command,
     }
@@ -119,20 +116,74 @@ def run_bench(engine_dir, dataset: str = "mt-bench", limit: int | None = 10, max
     if plot:
         plot_report(report, plot)
     if write:
-        append_markdown(report, write)
+        benchfile.write_run(write, report_run(report), report_setup(report), report_body(report))
     return report
 
 
-def _fmt(x, spec=".2f"):
-    return "-" if x is None else format(x, spec)
+def _fmt(x, spec=".2f", suffix=""):
+    return "-" if x is None else format(x, spec) + suffix
 
 
 def drafter_label(report: dict) -> str:
+    """e.g. "dflash B=4 chain:3", "mtp sequoia:4 (4 nodes)": the drafter and the tree."""
     d = report["drafter"]
     block = f" B={d['block_size']}" if "block_size" in d else ""
     nodes = report.get("tree_nodes")
     measured = "" if nodes is None or report["tree"].startswith("chain:") else f" ({nodes} nodes)"
     return f"{d['kind']}{block} {report['tree']}{measured}"
+
+
+def engine_label(manifest: dict) -> str:
+    """The configuration an engine runs, as BENCHMARKS.md keys it: drafter and tree, then the backend,
+    device and children when they are not the defaults (inductor, cpu, topk)."""
+    label = drafter_label({"drafter": manifest["drafter"], "tree": manifest["tree"]["spec"],
+                           "tree_nodes": len(manifest["tree"]["paths"])})
+    extra = [manifest["backend"] if manifest["backend"] != "inductor" else None,
+             manifest.get("device", "cpu") if manifest.get("device", "cpu") != "cpu" else None,
+             "sampled children" if manifest["drafter"].get("children") == "sampled" else None]
+    return ", ".join([label] + [e for e in extra if e])
+
+
+def plain_label(report: dict) -> str:
+    extra = [report["backend"] if report["backend"] != "inductor" else None,
+             report["device"] if report.get("device", "cpu") != "cpu" else None]
+    return ", ".join([benchfile.PLAIN] + [e for e in extra if e])
+
+
+def dataset_name(report: dict) -> str:
+    """mt-bench, humaneval, or a prompt file's name (not its whole path)."""
+    ds = str(report["dataset"])
+    return Path(ds).name if ds.endswith(".jsonl") else ds
+
+
+def report_figures(report: dict) -> list[dict]:
+    """The rows of a report as BENCHMARKS.md figures: the speculative engine, plain decoding, HF generate()."""
+    names = {"speculative": report["config"], "ar": plain_label(report), "hf": benchfile.HF}
+    return [benchfile.figure(names[r["method"]], dataset_name(report), model=report["model"], tau=r["tau"],
+                             tokens_per_s=r["tokens_per_s"], vs_plain=r.get("speedup_vs_ar"),
+                             vs_hf=r.get("speedup_vs_hf"), new_tokens=report["max_new_tokens"],
+                             prompts=r["prompts"]) for r in report["rows"]]
+
+
+def report_setup(report: dict) -> str:
+    return (f"{report['model']}, {report['backend']} backend, greedy, {report['max_new_tokens']} new tokens per "
+            f"prompt, first {report['prompts']} prompts of {dataset_name(report)}, chat template "
+            f"{'on' if report['chat_template'] else 'off'}, EOS ignored; warm-up excluded; medians over prompts.")
+
+
+def report_body(report: dict) -> str:
+    text = markdown_table(report)
+    if report["greedy_identical_to_ar"]:
+        text += f"\n\nGreedy output identical to plain decoding on {report['greedy_identical_to_ar']} prompts."
+    if report["accepted_hist"]:
+        text += f"\nAccepted drafts per step (0, 1, 2, ...): {report['accepted_hist']}."
+    return text
+
+
+def report_run(report: dict) -> dict:
+    """The report as a BENCHMARKS.md run (see specc.benchfile)."""
+    return benchfile.new_run(f"specc bench: {report['config']} on {dataset_name(report)}", report_figures(report),
+                             command=report["command"] or benchfile.command_line(), device=report["device"])
 
 
 def markdown_table(report: dict) -> str:
@@ -142,7 +193,7 @@ def markdown_table(report: dict) -> str:
              "hf": "HF generate()"}
     for r in report["rows"]:
         lines.append(f"| {names[r['method']]} | {_fmt(r['tau'])} | {_fmt(r['tokens_per_s'])} | "
-                     f"{_fmt(r.get('speedup_vs_ar'))}x | {_fmt(r.get('speedup_vs_hf'))}x |")
+                     f"{_fmt(r.get('speedup_vs_ar'), suffix='x')} | {_fmt(r.get('speedup_vs_hf'), suffix='x')} |")
     return "\n".join(lines)
 
 
@@ -152,19 +203,6 @@ def print_report(report: dict) -> None:
     print(markdown_table(report))
     if report["greedy_identical_to_ar"]:
         print(f"greedy output identical to plain decoding: {report['greedy_identical_to_ar']}")
-
-
-def append_markdown(report: dict, path) -> None:
-    path = Path(path)
-    text = (f"\n### {report['model']}, {report['backend']}, drafter {report['drafter']['kind']} "
-            f"({report['tree']}), {report['dataset']}\n\n"
-            f"{report['date']}, {report['machine']}; {report['prompts']} prompts, {report['max_new_tokens']} new tokens, "
-            f"greedy, chat template {'on' if report['chat_template'] else 'off'}.\n\n"
-            f"```\n{report['command']}\n```\n\n{markdown_table(report)}\n")
-    if report["greedy_identical_to_ar"]:
-        text += f"\nGreedy output identical to plain decoding on {report['greedy_identical_to_ar']} prompts.\n"
-    with open(path, "a") as f:
-        f.write(text)
 
 
 def plot_report(report: dict, path) -> None:

@@ -30,13 +30,7 @@ from .tree import Tree, expected_tokens, measure_acceptance, pick_tree, sequoia,
 WIDTH = 4  # ranks measured per depth
 PROMPTS = 6
 NEW_TOKENS = 64
-MAX_DEPTH = {"ngram": 8, "mtp": 4}  # dflash: its trained block - 1
 AUTO_BUDGETS = (2, 4, 8, 16, 32)
-
-
-def is_measured(spec: str) -> bool:
-    s = spec.strip()
-    return s == "auto" or s.startswith("sequoia:")
 
 
 def comb(depth: int, width: int) -> Tree:
@@ -87,10 +81,6 @@ def run_prompts(engine, prompts, new_tokens: int | None = None) -> Measured:
         m.tokens += res.stats.new_tokens - 1  # the first token comes from prefill
         m.wall_s += res.stats.wall_s - res.stats.prefill_s
     return m
-
-
-def max_depth(drafter: str, dflash_block: int | None) -> int:
-    return dflash_block - 1 if drafter == "dflash" else MAX_DEPTH[drafter]
 
 
 def _tree_file(tree: Tree, folder: Path, name: str) -> str:

@@ -20,25 +20,15 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _quiet_libraries() -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-
-
 def cmd_compile(a) -> int:
     import specc
+    from specc.config import CompileConfig
 
-    out = specc.compile(a.model, drafter=a.drafter, tree=a.tree, backend=a.backend, output_dir=a.output,
-                        drafter_path=a.drafter_path, drafter_layers=a.drafter_layers, dtype=a.dtype,
-                        block_size=a.block_size, device=a.device, children=a.children,
-                        max_len=a.max_len, prefill_chunk=a.prefill_chunk, dump_ir=a.dump_ir,
-                        progress=not a.json)
+    config = CompileConfig(model=a.model, drafter=a.drafter, tree=a.tree, backend=a.backend, output_dir=a.output,
+                           drafter_path=a.drafter_path, drafter_layers=a.drafter_layers, dtype=a.dtype,
+                           block_size=a.block_size, device=a.device, children=a.children, max_len=a.max_len,
+                           prefill_chunk=a.prefill_chunk, dump_ir=a.dump_ir, progress=not a.json)
+    out = specc.compile(config=config)
     manifest = json.loads((out / "specc.json").read_text())
     if a.json:
         print(json.dumps({"engine": str(out), "backend": a.backend, "drafter": manifest["drafter"],
@@ -96,12 +86,15 @@ def _print_stats(s) -> None:
 
 
 def cmd_bench(a) -> int:
+    import shlex
+
     from .bench import run_bench
 
+    # Writes only when asked (--write FILE.md): a measurement is not a reason to edit a file.
     report = run_bench(a.engine, dataset=a.dataset, limit=a.limit, max_new_tokens=a.max_new_tokens,
                        baseline=a.baseline, chat=not a.no_chat, plot=a.plot,
                        write=None if a.no_write else a.write,
-                       progress=not a.json, command=" ".join(["specc"] + sys.argv[1:]))
+                       progress=not a.json, command=shlex.join(["specc", *sys.argv[1:]]))
     if a.json:
         print(json.dumps(report))
     return 0
@@ -186,11 +179,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="specc", description="Compile a Hugging Face causal LM and a drafter into a lossless "
                                           "speculative-decoding engine, and run it.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    for add in (add_compile, add_run, add_bench, add_inspect, add_train):
+        add(sub)
+    return p
 
+
+def add_compile(sub) -> None:
     c = sub.add_parser("compile", help="compile a model and drafter into an engine directory")
     c.add_argument("model", nargs="?", default=None,
                    help="Hugging Face model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    c.add_argument("--drafter", default="none", help="none | ngram | draft-model | dflash | mtp (dspark: later)")
+    c.add_argument("--drafter", default="none", help="none | ngram | draft-model | dflash | mtp")
     c.add_argument("--drafter-path", default=None,
                    help="draft model directory or .gguf (draft-model); DFlash drafter directory (dflash); "
                         "MTP checkpoint, DeepSeek-V3 or Qwen3-Next layout (mtp). dflash and mtp on the embedded "
@@ -213,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", required=True, metavar="DIR")
     c.set_defaults(fn=cmd_compile)
 
+
+def add_run(sub) -> None:
     r = sub.add_parser("run", help="generate text with an engine")
     r.add_argument("engine", metavar="DIR")
     g = r.add_mutually_exclusive_group(required=True)
@@ -227,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true")
     r.set_defaults(fn=cmd_run)
 
+
+def add_bench(sub) -> None:
     b = sub.add_parser("bench", help="measure tau, tokens/s and speedups on a prompt set")
     b.add_argument("engine", metavar="DIR")
     b.add_argument("--dataset", default="mt-bench", help="mt-bench | humaneval | FILE.jsonl")
@@ -235,12 +237,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--baseline", default="both", choices=["hf", "ar", "both"])
     b.add_argument("--no-chat", action="store_true", help="do not apply the chat template to prompts")
     b.add_argument("--plot", default=None, metavar="FILE.png", help="acceptance histogram and tokens/s")
-    b.add_argument("--write", default="BENCHMARKS.md", metavar="FILE.md",
-                   help="append the result table and the command to this file (default: BENCHMARKS.md)")
-    b.add_argument("--no-write", action="store_true", help="do not append to any file")
+    b.add_argument("--write", default=None, metavar="FILE.md",
+                   help="insert this run, dated, under '## History' in FILE.md (e.g. BENCHMARKS.md) and regenerate "
+                        "its Current figures table (default: write nothing)")
+    b.add_argument("--no-write", action="store_true", help="write nothing (the default; kept for older scripts)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(fn=cmd_bench)
 
+
+def add_inspect(sub) -> None:
     i = sub.add_parser("inspect", help="describe an engine")
     i.add_argument("engine", metavar="DIR")
     i.add_argument("--passes", action="store_true", help="list the passes that made each graph")
@@ -248,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=cmd_inspect)
 
+
+def add_train(sub) -> None:
     t = sub.add_parser("train", help="train a DFlash or MTP drafter by self-distillation on ShareGPT prompts")
     t.add_argument("model", nargs="?", default=None, help="target (default: embedded SmolLM2-135M-Instruct)")
     t.add_argument("--drafter", required=True, choices=["mtp", "dflash", "dspark"])
@@ -270,13 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--smoke", action="store_true", help="a tiny random target and a few steps (for CI)")
     t.add_argument("--json", action="store_true")
     t.set_defaults(fn=cmd_train)
-    return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        _quiet_libraries()
+        from .models import quiet_libraries
+
+        quiet_libraries()
         return args.fn(args)
     except SpeccError as e:
         sys.stderr.write(f"specc: error: {e}\n")

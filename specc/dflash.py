@@ -22,11 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .drafters import draft_slots, sampled_drafts, tree_drafts
+from .draft_tokens import draft_slots, sampled_drafts, tree_drafts
 from .errors import SpeccError
+from .signature import DraftSignature, SampledChildren
+from .target_module import NEG_INF
 from .tree import Tree, chain
 
-NEG_INF = -1e9
 ARCHITECTURE = "DFlashDraftModel"
 
 
@@ -366,9 +367,10 @@ def check_fits(cfg: DFlashConfig, target_config) -> None:
 class DFlashStep(nn.Module):
     """Batch-1 drafting with a static context cache, the module the compiler captures.
 
-    forward(taps [R, L*H], ctx_start [], n_ctx [], anchor []) -> drafts [T-1]: the first n_ctx
-    rows of taps are the features of the committed tokens at positions ctx_start.. (padding after
-    them); their K/V go into each layer's cache at slot = position. The block [anchor, MASK...] then
+    forward(*DraftSignature): taps [R, L*H], next_tokens [R], ctx_start [], n_ctx [] -> drafts [T-1].
+    The first n_ctx rows of taps are the features of the committed tokens at positions ctx_start..
+    (padding after them); their K/V go into each layer's cache at slot = position. The anchor is
+    next_tokens[n_ctx - 1], the token after the last row. The block [anchor, MASK...] then
     sits at positions start = ctx_start + n_ctx .., sees every cached slot < start and itself, and
     its rows 1..B-1 go through the target's LM head. Tree node i takes the candidate of rank
     ranks[i] at block position depths[i] (argmax for a chain). Padding rows write slots >= start,
@@ -408,8 +410,17 @@ class DFlashStep(nn.Module):
             self.register_buffer(f"v_cache_{i}", torch.zeros(cfg.num_kv_heads, cache_len, cfg.head_dim, dtype=dtype),
                                  persistent=False)
 
-    def forward(self, taps, ctx_start, n_ctx, anchor, temperature=None, top_p=None, uniforms=None):
+    @property
+    def signature(self) -> DraftSignature:
+        vocab = self.lm_head_weight.shape[0]
+        return DraftSignature(SampledChildren(self.q_rows, vocab, self.width) if self.sampled else None)
+
+    def example_inputs(self, rows: int) -> tuple:
+        return self.signature.example_inputs(rows, self.drafter.fc.in_features, self.drafter.fc.weight.dtype)
+
+    def forward(self, taps, next_tokens, ctx_start, n_ctx, temperature=None, top_p=None, uniforms=None):
         cfg = self.drafter.config
+        anchor = next_tokens.index_select(0, (n_ctx - 1).view(1))
         R, B, S = taps.shape[0], self.block_size, self.cache_len
         ctx_pos = torch.arange(R) + ctx_start
         start = ctx_start + n_ctx
@@ -433,7 +444,3 @@ class DFlashStep(nn.Module):
             return sampled_drafts(logits, self.draft_depth, self.draft_rank, self.width, temperature, top_p, uniforms)
         return tree_drafts(logits, self.draft_depth, self.draft_rank, self.width)
 
-    def state(self) -> dict[str, torch.Tensor]:
-        out = dict(self.named_parameters())
-        out.update(self.named_buffers())
-        return out

@@ -159,3 +159,16 @@ def load_model(source=None, dtype: torch.dtype = torch.float32, with_tokenizer: 
         except Exception:
             tok = None  # token-id prompts still work; text prompts then fail with a clear message
     return LoadedModel(model=model, tokenizer=tok, name=name, source=src, hf_dir=Path(hf_dir))
+
+
+def quiet_libraries() -> None:
+    """Silence transformers' and tokenizers' warnings and progress bars (the `specc` command and the
+    benchmark scripts print their own)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()

@@ -12,7 +12,7 @@ hidden that predicts t_{i+k+1}:
   weights of the heads: specc always uses the target's embedding and head.  A Qwen3-Next module
   carries its own final norm (`mtp.norm`), used instead of the target's before the target's head.
 * DecoderBlock_k is the target architecture's own transformers decoder-layer class built from the
-  target's config, so `specc.capture.Block` can wrap it later for cached inference.
+  target's config, so `specc.target_module.Block` can wrap it later for cached inference.
 * With fewer modules than the draft depth, the last module is reused recursively (num_modules=1:
   one module at every depth).  The hidden fed to the next depth is the module's block output
   (`feedback="block"`, DeepSeek-V3), or that output after the module's own final norm
@@ -54,9 +54,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .capture import Block
-from .drafters import draft_slots, sampled_drafts, tree_drafts
-from .verify import inverse_cdf_rows, sampling_probs
+from .acceptance import inverse_cdf_rows, sampling_probs
+from .draft_tokens import draft_slots, sampled_drafts, tree_drafts
+from .signature import DraftSignature, SampledChildren
+from .target_module import NEG_INF, Block
 from .errors import SpeccError
 from .tree import Tree, chain
 
@@ -66,7 +67,6 @@ ORDER_KEY = "mtp_concat_order"  # specc's own config.json key; absent means "emb
 FEEDBACK_KEY = "mtp_feedback"  # specc's own config.json key (DeepSeek-V3 layout); absent means "block"
 DEPTH_KEY = "mtp_depth"  # specc's own config.json key: the depth the heads were trained for
 MTP_FILE = "mtp.safetensors"
-NEG_INF = -1e9  # as in specc.capture: large negative, so the additive mask stays finite
 
 
 # ----------------------------------------------------------------------------------------------
@@ -328,7 +328,7 @@ def cached_scheme_drafts(heads: MTPHeads, target_hf_model, committed: list[int],
 class MTPStep(nn.Module):
     """Batch-1 MTP drafting with a static KV cache for the module's decoder layer; the compiler captures it.
 
-    forward(hidden [R,H], next_tokens [R], ctx_start [], n_ctx []) -> drafts [T-1].  Rows i < n_ctx
+    forward(*DraftSignature): hidden [R,H], next_tokens [R], ctx_start [], n_ctx [] -> drafts [T-1].  Rows i < n_ctx
     are committed positions p = ctx_start + i: the target's post-final-norm hidden h_p beside
     next_tokens[i] = t_{p+1}.  Their K/V go to cache slot p and each attends to slots <= p.  Row
     n_ctx-1 (position P) gives d_1; depth d >= 2 is one row at position P+d-1 (the fed-back hidden
@@ -383,6 +383,14 @@ class MTPStep(nn.Module):
     def _logits(self, out):
         return F.linear(self.head_norm(out), self.lm_head_weight)
 
+    @property
+    def signature(self) -> DraftSignature:
+        vocab = self.lm_head_weight.shape[0]
+        return DraftSignature(SampledChildren(self.q_rows, vocab, self.width) if self.sampled else None)
+
+    def example_inputs(self, rows: int) -> tuple:
+        return self.signature.example_inputs(rows, self.eh_proj.weight.shape[0], self.eh_proj.weight.dtype)
+
     def forward(self, hidden, next_tokens, ctx_start, n_ctx, temperature=None, top_p=None, uniforms=None):
         R = hidden.shape[0]
         out = self._layer(self._mix(hidden, self.embed_tokens(next_tokens)), torch.arange(R) + ctx_start)
@@ -402,10 +410,6 @@ class MTPStep(nn.Module):
                                   top_p, uniforms)
         return tree_drafts(torch.cat(logits), self.draft_depth, self.draft_rank, self.width)
 
-    def state(self) -> dict[str, torch.Tensor]:
-        out = dict(self.named_parameters())
-        out.update(self.named_buffers())
-        return out
 
 
 # ----------------------------------------------------------------------------------------------

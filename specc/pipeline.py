@@ -2,7 +2,7 @@
 
 A pass is a plain function `ExportedProgram -> ExportedProgram` with a docstring that states the
 invariant it establishes. Passes that change the graph's signature (new inputs or outputs) do it
-by wrapping the previous program's module and exporting again (`retrace`); passes that only
+by wrapping the previous program's module and capturing it again (`capture`); passes that only
 rewrite nodes edit the FX graph in place.
 """
 from __future__ import annotations
@@ -48,9 +48,14 @@ def dump_graph(ep: torch.export.ExportedProgram, path: Path) -> None:
     path.write_text(sig + "\n\n" + ep.graph_module.print_readable(print_output=False))
 
 
-def retrace(module: nn.Module, example_args: tuple) -> torch.export.ExportedProgram:
+def capture(module: nn.Module, example_args: tuple) -> torch.export.ExportedProgram:
+    """torch.export with static shapes; cache writes stay in the graph as buffer mutations. Passes
+    that change a graph's signature capture a module wrapping the previous program's module."""
+    # Separate storage per input: aliased example inputs break later decompositions.
+    example_args = tuple(a.clone() for a in example_args)
     with torch.no_grad():
         return torch.export.export(module, example_args, strict=False)
+
 
 
 def example_inputs(ep: torch.export.ExportedProgram) -> tuple:

@@ -14,44 +14,10 @@ from typing import Iterator
 import torch
 
 from .errors import SpeccError
+from .prefill import prefill, tap_rows
+from .signature import SampledChildren, StepSignature
 
-
-# A prompt tail this short goes through the one-token graph token by token: on the 2-core CPU a
-# 32-token chunk call costs about 110 ms and a one-token call about 31 ms (SmolLM2, fp32).
-PLAIN_TAIL = 3
-
-
-def tap_rows(taps, rows) -> torch.Tensor:
-    """The hidden-state taps [1, T, H] each of a graph call, at row indices `rows`, side by side [n, L*H]."""
-    return torch.cat([t[0].index_select(0, rows) for t in taps], dim=-1)
-
-
-def prefill(ids: list[int], chunk_graph, one_graph, chunk: int, temperature, top_p, gen, on_rows=None,
-            device="cpu") -> int:
-    """Fill the cache with `ids` (static chunks, a short tail one token at a time) and return the
-    token that follows them, drawn by the same rule as a decode step. `on_rows(rows, start)`
-    receives the taps of the prompt's rows (when the graphs have taps). The graphs' inputs are
-    made on `device`; the random numbers come from the CPU generator `gen` on every device, so a
-    seed gives the same draws everywhere."""
-    L = len(ids)
-    dev = lambda v, **kw: torch.tensor(v, device=device, **kw)  # noqa: E731
-    tail = L % chunk
-    chunked = L - tail if 0 < tail <= PLAIN_TAIL else L
-    first = None
-    for start in range(0, chunked, chunk):
-        piece = ids[start:start + chunk]
-        toks = dev(piece + [0] * (chunk - len(piece)), dtype=torch.int64)
-        res = chunk_graph(toks, dev(start), dev(len(piece)), temperature, top_p,
-                          torch.rand(2, generator=gen).to(device))
-        first = res[0]
-        if on_rows is not None:
-            on_rows(tap_rows(res[1:], torch.arange(len(piece), device=device)), start)
-    for pos in range(chunked, L):
-        res = one_graph(dev([ids[pos]]), dev(pos), temperature, top_p, torch.rand(2, generator=gen).to(device))
-        first = res[2][0]
-        if on_rows is not None:
-            on_rows(tap_rows(res[3:], torch.arange(1, device=device)), pos)
-    return int(first)
+PLAIN = StepSignature(1)  # the plain graph: the one-node tree
 
 
 @dataclass
@@ -77,6 +43,20 @@ class Stats:
 
 
 @dataclass
+class Run:
+    """The host loop's state during one generation."""
+    committed: list[int]  # prompt and generated tokens
+    base_len: int  # tokens whose K/V are in the cache; the root committed[-1] is not yet
+    budget: int  # new tokens allowed
+    produced: int
+    gen: torch.Generator
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    next_drafts: torch.Tensor | None = None  # fused: the next tree's drafts (and q) from the last call
+    next_q: torch.Tensor | None = None
+
+
+@dataclass
 class Result:
     token_ids: list[int]
     text: str
@@ -94,6 +74,9 @@ class Engine:
         self.eos = set(manifest["target"].get("eos_token_ids") or [])
         # One graph per step where the engine has a fused step; False runs the unfused path (its reference).
         self.use_fused = True
+        sampled = SampledChildren.from_entry(manifest["drafter"], manifest["target"]["vocab_size"])
+        self.step_signature = StepSignature(tree.size, sampled)
+        self.fused_signature = StepSignature(tree.size, sampled, fused=True)
 
     # -- prompts ---------------------------------------------------------------------------
     def encode(self, prompt, chat: bool = False) -> list[int]:
@@ -130,83 +113,103 @@ class Engine:
                              f"(it must leave room for at least one new token).")
         if temperature < 0 or not 0 < top_p <= 1:
             raise SpeccError("temperature must be >= 0 and top-p must be in (0, 1].")
-        budget = min(max_new_tokens, self.max_len - L)
-        gen = torch.Generator().manual_seed(seed)  # on the CPU: the same draws on every device
-        device = self.device
-        dev = lambda v, **kw: torch.tensor(v, device=device, **kw)  # noqa: E731
-        temp_t, top_p_t = dev(float(temperature)), dev(float(top_p))
+        dev = self._tensor
+        run = Run(committed=list(ids), base_len=L, budget=min(max_new_tokens, self.max_len - L), produced=0,
+                  gen=torch.Generator().manual_seed(seed),  # on the CPU: the same draws on every device
+                  temperature=dev(float(temperature)), top_p=dev(float(top_p)))
         drafter = self.drafter if speculate else None
-        step = self.graphs["step"] if drafter is not None else self.graphs["plain"]
-        T = self.tree.size if drafter is not None else 1
+        step = (self._plain_step if drafter is None else
+                self._fused_step if self.use_fused and "fused" in self.graphs else self._speculative_step)
         t0 = time.perf_counter()
         on_rows = None
-        n_u = getattr(drafter, "n_uniforms", 0)  # sampled children: draws per proposal (0: top-k drafts)
         if drafter is not None:
-            drafter.start(ids, temp_t, top_p_t, gen)
-            on_rows = drafter.add_rows if getattr(drafter, "needs_taps", False) else None
-        first = prefill(ids, self.graphs["prefill"], self.graphs["plain"], self.chunk, temp_t, top_p_t, gen, on_rows,
-                        device)
-        committed = ids + [int(first)]
-        stats.prefill_s = time.perf_counter() - t0
-        stats.prompt_tokens = L
-        yield [int(first)]
-        produced = 1
-        if stop_at_eos and int(first) in self.eos:
+            drafter.start(ids, run.temperature, run.top_p, run.gen)
+            on_rows = drafter.add_rows if drafter.needs_rows else None
+        first = prefill(ids, self.graphs["prefill"], self.graphs["plain"], self.chunk, run.temperature, run.top_p,
+                        run.gen, on_rows, self.device)
+        stats.prefill_s, stats.prompt_tokens = time.perf_counter() - t0, L
+        run.committed.append(first)
+        run.produced = 1
+        yield [first]
+        if stop_at_eos and first in self.eos:
             stats.stop = "eos"
             return
-        base_len = L  # tokens whose K/V are in the cache; the root committed[-1] is not yet
-        # Fused: the step graph also updates the drafter and returns the next tree's drafts, so after
-        # the first proposal (which flushes the prompt's rows) there is one graph call per step.
-        fused = self.graphs.get("fused") if drafter is not None and self.use_fused else None
-        next_drafts = next_q = None
-        while produced < budget:
-            if next_drafts is not None:
-                graph, size = fused, T
-                tokens = torch.cat((dev([committed[-1]]), next_drafts))
-            elif drafter is not None:
-                drafts, found = drafter.propose(committed)
-                graph, size = (fused or step, T) if found else (self.graphs["plain"], 1)
-                tokens = dev([committed[-1]] + drafts[: size - 1], dtype=torch.int64)
-            else:
-                graph, size = step, 1
-                tokens = dev([committed[-1]], dtype=torch.int64)
-            uniforms = torch.rand(size + 1, generator=gen).to(device)
-            extra = ()
-            if n_u and size > 1:  # this tree's q; the fused graph also draws the next tree (after these uniforms)
-                extra = (next_q if next_drafts is not None else drafter.q,)
-                if graph is fused:
-                    extra += (torch.rand(n_u, generator=gen).to(device),)
-            n, path, out, *taps = graph(tokens, dev(base_len), temp_t, top_p_t, uniforms, *extra)
-            if graph is fused:
-                next_drafts, next_q, taps, on_step_rows = taps[0], taps[1] if n_u else None, [], None
-            else:
-                on_step_rows = on_rows
-            n = int(n)
-            if size > 1:
-                stats.rank_paths.append(tuple(self.tree.ranks[i] for i in path[1: n + 1].tolist()))
-            if on_step_rows is not None:  # the root and the accepted drafts are now committed context
-                on_step_rows(tap_rows(taps, path[: n + 1]), base_len)
-            new = out[: n + 1].tolist()
-            stats.steps += 1
-            while len(stats.accepted_hist) <= n:
-                stats.accepted_hist.append(0)
-            stats.accepted_hist[n] += 1
-            base_len += n + 1
-            new = new[: budget - produced]
-            if stop_at_eos:
-                for i, t in enumerate(new):
-                    if t in self.eos:
-                        new = new[: i + 1]
-                        stats.stop = "eos"
-                        break
-            committed += new
-            produced += len(new)
+        while run.produced < run.budget:
+            n, path, out, size = step(run)
+            new = self._commit(run, stats, n, path, out, size, stop_at_eos)
             if drafter is not None:
-                drafter.accepted(committed, n)
+                drafter.accepted(run.committed, n)
             yield new
             if stats.stop == "eos":
                 return
-        stats.stop = "max_len" if budget < max_new_tokens else "max_new_tokens"
+        stats.stop = "max_len" if run.budget < max_new_tokens else "max_new_tokens"
+
+    def _tensor(self, value, **kw) -> torch.Tensor:
+        return torch.tensor(value, device=self.device, **kw)
+
+    def _uniforms(self, run: "Run", n: int) -> torch.Tensor:
+        return torch.rand(n, generator=run.gen).to(self.device)
+
+    def _plain_step(self, run: "Run"):
+        """Ordinary decoding: the one-node tree (the root alone) through the plain graph."""
+        tokens = self._tensor([run.committed[-1]], dtype=torch.int64)
+        res = PLAIN.unpack(self.graphs["plain"](*PLAIN.args(tokens, self._tensor(run.base_len), run.temperature,
+                                                             run.top_p, self._uniforms(run, 2))))
+        return int(res.n), res.path, res.out, 1
+
+    def _speculative_step(self, run: "Run"):
+        """The drafter proposes on the host, the step graph verifies; the accepted rows go back to a
+        drafter that reads the target's hidden states. Without a proposal the step is plain."""
+        drafts, found = self.drafter.propose(run.committed)
+        if not found:
+            return self._plain_step(run)
+        T = self.tree.size
+        tokens = self._tensor([run.committed[-1]] + drafts[: T - 1], dtype=torch.int64)
+        res = self.step_signature.unpack(self.graphs["step"](*self.step_signature.args(
+            tokens, self._tensor(run.base_len), run.temperature, run.top_p, self._uniforms(run, T + 1),
+            self.drafter.q)))
+        n = int(res.n)
+        if self.drafter.needs_rows:  # the root and the accepted drafts are now committed context
+            self.drafter.add_rows(tap_rows(res.taps, res.path[: n + 1]), run.base_len)
+        return n, res.path, res.out, T
+
+    def _fused_step(self, run: "Run"):
+        """One graph per step: it verifies, updates the drafter and returns the next tree's drafts.
+        The first proposal (which flushes the prompt's rows) comes from the drafter's own graphs."""
+        T, sig = self.tree.size, self.fused_signature
+        if run.next_drafts is None:
+            drafts, _ = self.drafter.propose(run.committed)
+            tokens = self._tensor([run.committed[-1]] + drafts[: T - 1], dtype=torch.int64)
+            q = self.drafter.q
+        else:
+            tokens, q = torch.cat((self._tensor([run.committed[-1]]), run.next_drafts)), run.next_q
+        uniforms = self._uniforms(run, T + 1)  # this tree's; then the next tree's draws (sampled children)
+        draft_uniforms = self._uniforms(run, self.drafter.n_uniforms) if sig.sampled is not None else None
+        res = sig.unpack(self.graphs["fused"](*sig.args(tokens, self._tensor(run.base_len), run.temperature,
+                                                        run.top_p, uniforms, q, draft_uniforms)))
+        run.next_drafts, run.next_q = res.next_drafts, res.next_q
+        return int(res.n), res.path, res.out, T
+
+    def _commit(self, run: "Run", stats: Stats, n: int, path, out, size: int, stop_at_eos: bool) -> list[int]:
+        """What every mode shares: record the step, commit the accepted tokens and the bonus token
+        (cut at the budget and at EOS), and advance the committed length."""
+        if size > 1:
+            stats.rank_paths.append(tuple(self.tree.ranks[i] for i in path[1: n + 1].tolist()))
+        stats.steps += 1
+        while len(stats.accepted_hist) <= n:
+            stats.accepted_hist.append(0)
+        stats.accepted_hist[n] += 1
+        run.base_len += n + 1
+        new = out[: n + 1].tolist()[: run.budget - run.produced]
+        if stop_at_eos:
+            for i, t in enumerate(new):
+                if t in self.eos:
+                    new = new[: i + 1]
+                    stats.stop = "eos"
+                    break
+        run.committed += new
+        run.produced += len(new)
+        return new
 
     def stream(self, prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                seed: int = 0, chat: bool = False, speculate: bool = True, stop_at_eos: bool = True,

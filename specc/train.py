@@ -18,6 +18,7 @@ and tau history) and curve.png. Running the same command again resumes from the 
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -490,34 +491,28 @@ def smoke_target(out: Path, tokenizer):
     return model
 
 
-def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke: bool = False,
-          progress: bool = True, log=print, command: str | None = None) -> dict:
-    """Train a drafter for MODEL (HF dir, .gguf, or None: the embedded SmolLM2) into output_dir.
-    `smoke`: the target is a tiny random Llama over MODEL's tokenizer (saved in train/smoke-target),
-    and the default config is SMOKE."""
-    from .dflash import choose_mask_token
-    from .models import load_model
-
-    cfg = config or (TrainConfig(**SMOKE) if smoke else TrainConfig())
-    cfg.check()
-    if output_dir is None:
-        raise SpeccError("an output directory is required (-o DIR).")
-    out = Path(output_dir)
+def _check_run_dir(out: Path, cfg: TrainConfig) -> dict | None:
+    """The saved progress of a run to resume in `out` (None for a new run). Refuses anything that is
+    not a specc training directory, and a run made with another configuration."""
     work = out / "train"
-    progress_file = work / "progress.json"
-    data_file, eval_file, data_meta = work / "data.safetensors", work / "eval.safetensors", work / "data.json"
+    progress_file, data_meta = work / "progress.json", work / "data.json"
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (progress_file.is_file()
                                                                            or data_meta.is_file()))):
         raise SpeccError(f"output {str(out)!r} exists and is not a specc training directory; refusing to overwrite it.")
-    resumed = None
-    if progress_file.is_file():
-        resumed = json.loads(progress_file.read_text())
-        if resumed["config"] != asdict(cfg):
-            changed = next(k for k in asdict(cfg) if resumed["config"].get(k) != asdict(cfg)[k])
-            raise SpeccError(f"{str(out)!r} holds a run with another configuration ({changed} was "
-                             f"{resumed['config'].get(changed)!r}); use a new -o directory to start over.")
-    torch.manual_seed(cfg.seed)
-    torch.set_num_threads(os.cpu_count() or 1)
+    if not progress_file.is_file():
+        return None
+    resumed = json.loads(progress_file.read_text())
+    if resumed["config"] != asdict(cfg):
+        changed = next(k for k in asdict(cfg) if resumed["config"].get(k) != asdict(cfg)[k])
+        raise SpeccError(f"{str(out)!r} holds a run with another configuration ({changed} was "
+                         f"{resumed['config'].get(changed)!r}); use a new -o directory to start over.")
+    return resumed
+
+
+def _load_target(model, work: Path, smoke: bool):
+    """(target, tokenizer, EOS ids): the target frozen for inference; with `smoke` a tiny random Llama over
+    MODEL's tokenizer, saved in work/smoke-target. Creates `work`."""
+    from .models import load_model
 
     loaded = load_model(model, torch.float32)
     tokenizer = loaded.tokenizer
@@ -527,12 +522,18 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
     target = smoke_target(work / "smoke-target", tokenizer) if smoke else loaded.model
     target.requires_grad_(False).eval()
     eos = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    # MODEL's generation config can name more EOS ids (chat end-of-turn tokens) than its tokenizer.
     gen_cfg = getattr(loaded.model, "generation_config", None)
     if gen_cfg is not None and gen_cfg.eos_token_id is not None:
         e = gen_cfg.eos_token_id
         eos |= set(e) if isinstance(e, (list, tuple)) else {int(e)}
+    return target, tokenizer, eos
 
-    # 1. Sequences (cached in the run directory: regenerating is the slow part).
+
+def _run_sequences(target, tokenizer, eos: set[int], cfg: TrainConfig, out: Path, progress: bool):
+    """(training, held-out) sequences, cached in the run directory: regenerating is the slow part."""
+    work = out / "train"
+    data_file, eval_file, data_meta = work / "data.safetensors", work / "eval.safetensors", work / "data.json"
     meta = {k: asdict(cfg)[k] for k in DATA_FIELDS}
     if data_file.is_file() and eval_file.is_file() and data_meta.is_file():
         old = json.loads(data_meta.read_text())
@@ -540,57 +541,55 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
             changed = next(k for k in meta if old.get(k) != meta[k])
             raise SpeccError(f"{str(out)!r} holds sequences made with another {changed} ({old.get(changed)!r}); "
                              f"use a new -o directory.")
-        seqs, held = load_sequences(data_file), load_sequences(eval_file)
-    else:
-        pairs = sharegpt_pairs(cfg.prompts + cfg.eval_prompts, eval_set_prompts())
-        held = build_sequences(target, tokenizer, pairs[: cfg.eval_prompts], cfg, eos, progress, "held-out sequences")
-        seqs = build_sequences(target, tokenizer, pairs[cfg.eval_prompts:], cfg, eos, progress, "training sequences")
-        if not seqs or not held:
-            raise SpeccError("no usable training sequences (prompts too long for --max-prompt-len?).")
-        save_sequences(held, eval_file)
-        save_sequences(seqs, data_file)
-        data_meta.write_text(json.dumps(meta))
+        return load_sequences(data_file), load_sequences(eval_file)
+    pairs = sharegpt_pairs(cfg.prompts + cfg.eval_prompts, eval_set_prompts())
+    held = build_sequences(target, tokenizer, pairs[: cfg.eval_prompts], cfg, eos, progress, "held-out sequences")
+    seqs = build_sequences(target, tokenizer, pairs[cfg.eval_prompts:], cfg, eos, progress, "training sequences")
+    if not seqs or not held:
+        raise SpeccError("no usable training sequences (prompts too long for --max-prompt-len?).")
+    save_sequences(held, eval_file)
+    save_sequences(seqs, data_file)
+    data_meta.write_text(json.dumps(meta))
+    return seqs, held
 
-    # 2. The target's view of every sequence, once (cached): training steps then run the drafter alone.
-    # Training features are computed and kept in bf16 where the CPU has it; held-out ones in fp32, so
-    # the held-out tau is exact.
+
+def _run_features(target, seqs, held, cfg: TrainConfig, work: Path, fast, progress: bool):
+    """(training, held-out) features: the target's view of every sequence, once, so training steps run the
+    drafter alone. Training features are computed and kept in `fast` (bf16 where the CPU has it) and cached;
+    held-out ones in fp32, so the held-out tau is exact."""
     from .dflash import default_layer_ids
 
-    fast = fast_dtype()
     layer_ids = default_layer_ids(target.config.num_hidden_layers, cfg.taps) if cfg.drafter == "dflash" else []
     want_hidden = cfg.drafter == "mtp"
-    fmeta = {**meta, "drafter": cfg.drafter, "layer_ids": layer_ids, "dtype": str(fast)}
+    fmeta = {**{k: asdict(cfg)[k] for k in DATA_FIELDS}, "drafter": cfg.drafter, "layer_ids": layer_ids,
+             "dtype": str(fast)}
     feats = load_features(work / "features.safetensors", fmeta)
     if feats is None:
         feats = sequence_features(target, seqs, layer_ids, want_hidden, cfg.labels == "regenerate", fast, progress,
                                   "target features")
         save_features(feats, work / "features.safetensors", fmeta)
-    held_feats = sequence_features(target, held, layer_ids, want_hidden, False)
+    return feats, sequence_features(target, held, layer_ids, want_hidden, False)
 
-    # 3. Drafter and optimizer, from the last checkpoint when resuming.
-    mask = choose_mask_token(tokenizer, target.config.vocab_size)
-    trainer = (DFlashTrainer if cfg.drafter == "dflash" else MTPTrainer)(target, cfg, mask, feats)
-    opt = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, weight_decay=0.0)
-    history, step = [], 0
-    if resumed is not None and (work / "state.safetensors").is_file():
-        trainer.load(out)
-        step = _load_state(opt, trainer, work / "state.safetensors")
-        history = resumed["history"]
-        log(f"resuming at step {step} of {cfg.steps}")
 
-    def checkpoint(step: int) -> None:
-        trainer.save(out)
-        _save_state(opt, trainer, work / "state.safetensors", step)
-        _atomic(progress_file, lambda tmp: tmp.write_text(json.dumps(
-            {"config": asdict(cfg), "step": step, "sequences": len(seqs), "held_out": len(held),
-             "mask_token_id": mask, "compute_dtype": str(fast or torch.float32), "history": history}, indent=1)))
-        plot_curve(history, work / "curve.png")
+def _checkpoint(out: Path, trainer, opt, progress_doc: dict, step: int) -> None:
+    """Everything a rerun resumes from: the drafter (in its published format), the optimizer state and
+    progress.json (`progress_doc` with this step), and the curve."""
+    work = out / "train"
+    trainer.save(out)
+    _save_state(opt, trainer, work / "state.safetensors", step)
+    _atomic(work / "progress.json", lambda tmp: tmp.write_text(json.dumps({**progress_doc, "step": step}, indent=1)))
+    plot_curve(progress_doc["history"], work / "curve.png")
 
-    if step == 0:
+
+def _train_steps(trainer, opt, cfg: TrainConfig, seqs, feats, held, held_feats, history: list, start: int,
+                 checkpoint, fast, progress: bool) -> float:
+    """Steps start..cfg.steps, appending to `history` (an evaluation every eval_every steps) and calling
+    checkpoint(step) every checkpoint_every steps and at the end; returns the seconds they took."""
+    if start == 0:
         history.append({"step": 0, "eval": evaluate(trainer, held, held_feats)})
         checkpoint(0)
-    bar = tqdm(range(step, cfg.steps), desc=f"train {cfg.drafter}", unit="step", disable=not progress,
-               initial=step, total=cfg.steps)
+    bar = tqdm(range(start, cfg.steps), desc=f"train {cfg.drafter}", unit="step", disable=not progress,
+               initial=start, total=cfg.steps)
     t0, running = time.perf_counter(), None
     for step in bar:
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # a resumed run draws the same data
@@ -615,13 +614,59 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
             checkpoint(done)
     bar.close()
-    final = next((h["eval"] for h in reversed(history) if "eval" in h), None)
-    res = {"output": str(out), "drafter": cfg.drafter, "steps": cfg.steps, "sequences": len(seqs),
-           "held_out": len(held), "train_s": round(time.perf_counter() - t0, 1), "eval": final,
-           "smoke_target": str(work / "smoke-target") if smoke else None}
+    return time.perf_counter() - t0
+
+
+def _write_training_json(out: Path, res: dict, cfg: TrainConfig, command: str | None, compute_dtype: str) -> None:
     # Beside the weights: what produced them, so a copied (shipped) drafter still says how it was trained.
-    summary = {"command": command, "config": asdict(cfg), "step": cfg.steps, "sequences": len(seqs),
-               "held_out": len(held), "compute_dtype": str(fast or torch.float32), "eval": final,
+    summary = {"command": command, "config": asdict(cfg), "step": cfg.steps, "sequences": res["sequences"],
+               "held_out": res["held_out"], "compute_dtype": compute_dtype, "eval": res["eval"],
                "finished": time.strftime("%Y-%m-%d"), "last_session_train_s": res["train_s"]}
     _atomic(out / "training.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=1)))
+
+
+def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke: bool = False,
+          progress: bool = True, log=print, command: str | None = None) -> dict:
+    """Train a drafter for MODEL (HF dir, .gguf, or None: the embedded SmolLM2) into output_dir.
+    `smoke`: the target is a tiny random Llama over MODEL's tokenizer (saved in train/smoke-target),
+    and the default config is SMOKE."""
+    from .dflash import choose_mask_token
+
+    cfg = config or (TrainConfig(**SMOKE) if smoke else TrainConfig())
+    cfg.check()
+    if output_dir is None:
+        raise SpeccError("an output directory is required (-o DIR).")
+    out = Path(output_dir)
+    work = out / "train"
+    resumed = _check_run_dir(out, cfg)
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(os.cpu_count() or 1)
+    target, tokenizer, eos = _load_target(model, work, smoke)
+    seqs, held = _run_sequences(target, tokenizer, eos, cfg, out, progress)
+    fast = fast_dtype()
+    feats, held_feats = _run_features(target, seqs, held, cfg, work, fast, progress)
+
+    # Drafter and optimizer, from the last checkpoint when resuming.
+    mask = choose_mask_token(tokenizer, target.config.vocab_size)
+    trainer = (DFlashTrainer if cfg.drafter == "dflash" else MTPTrainer)(target, cfg, mask, feats)
+    opt = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, weight_decay=0.0)
+    history, step = [], 0
+    if resumed is not None and (work / "state.safetensors").is_file():
+        trainer.load(out)
+        step = _load_state(opt, trainer, work / "state.safetensors")
+        history = resumed["history"]
+        log(f"resuming at step {step} of {cfg.steps}")
+    compute_dtype = str(fast or torch.float32)
+    # progress.json's keys in their historical order; _checkpoint fills in "step".
+    progress_doc = {"config": asdict(cfg), "step": step, "sequences": len(seqs), "held_out": len(held),
+                    "mask_token_id": mask, "compute_dtype": compute_dtype, "history": history}
+
+    checkpoint = functools.partial(_checkpoint, out, trainer, opt, progress_doc)
+    train_s = _train_steps(trainer, opt, cfg, seqs, feats, held, held_feats, history, step, checkpoint, fast,
+                           progress)
+    final = next((h["eval"] for h in reversed(history) if "eval" in h), None)
+    res = {"output": str(out), "drafter": cfg.drafter, "steps": cfg.steps, "sequences": len(seqs),
+           "held_out": len(held), "train_s": round(train_s, 1), "eval": final,
+           "smoke_target": str(work / "smoke-target") if smoke else None}
+    _write_training_json(out, res, cfg, command, compute_dtype)
     return res

@@ -16,6 +16,7 @@ arXiv 2402.12374) and pick_tree weighs candidates by measured step time.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import numbers
@@ -93,6 +94,7 @@ class Tree:
         }
 
     def to_networkx(self) -> networkx.DiGraph:
+        """The tree as a DiGraph from parent to child, node i being node i, with its depth and rank."""
         g = networkx.DiGraph()
         for i in range(self.size):
             g.add_node(i, depth=self.depths[i], rank=self.ranks[i])
@@ -265,6 +267,12 @@ def _load_json_tree(spec: str) -> Tree:
     return _build(ordered)
 
 
+def is_measured(spec: str) -> bool:
+    """Whether a --tree spec is built from measured acceptance at compile time (sequoia:BUDGET, auto)."""
+    s = spec.strip()
+    return s == "auto" or s.startswith("sequoia:")
+
+
 def parse_tree(spec: str, acceptance=None) -> Tree:
     """Parse a --tree value: chain:K, topk:DEPTH,WIDTH, sequoia:BUDGET or a JSON file of paths.
 
@@ -414,7 +422,17 @@ def sequoia(acceptance, budget: int, max_depth: int | None = None) -> Tree:
     # A tree of `budget` nodes is never deeper than budget - 1.
     depth = min(int(max_depth), len(table), budget - 1)
     useful = [[r for r, a in enumerate(table[d]) if a > 0.0] for d in range(depth)]
+    size, choice = _sequoia_choices(table, useful, budget)
+    paths = _sequoia_paths(useful, choice, size)
+    assert len(paths) == size
+    return _build(sorted(paths, key=lambda p: (len(p), p)))
 
+
+def _sequoia_choices(table, useful: list[list[int]], budget: int) -> tuple[int, list[dict[int, np.ndarray]]]:
+    """Sequoia's dynamic program, bottom-up from the deepest level (len(useful)) to the root: the tree's
+    size (budget, or fewer when fewer useful nodes exist) and choice[d][r][k], the nodes given to the
+    rank-r child of a depth-d node when ranks r, r+1, ... share k nodes (see sequoia for the rule)."""
+    depth = len(useful)
     # cap[d]: most nodes a subtree under a depth-d node can hold (saturated at budget).
     cap = [1] * (depth + 1)
     for d in reversed(range(depth)):
@@ -426,7 +444,6 @@ def sequoia(acceptance, budget: int, max_depth: int | None = None) -> Tree:
     # best[d][n] for n in 1..limit[d] (index 0 unused); -inf marks a size that cannot be filled.
     best: list[np.ndarray] = [np.empty(0)] * (depth + 1)
     best[depth] = np.array([-np.inf, 1.0])
-    # choice[d][r][k]: nodes given to the rank-r child when ranks r, r+1, ... share k nodes.
     choice: list[dict[int, np.ndarray]] = [{} for _ in range(depth + 1)]
     for d in reversed(range(depth)):
         spare = limit[d] - 1  # nodes below a depth-d node
@@ -450,7 +467,12 @@ def sequoia(acceptance, budget: int, max_depth: int | None = None) -> Tree:
             choice[d][r] = pick
             held = value[rows, pick]
         best[d] = np.concatenate(([-np.inf], 1.0 + held))
+    return size, choice
 
+
+def _sequoia_paths(useful: list[list[int]], choice: list[dict[int, np.ndarray]], size: int) -> list[tuple[int, ...]]:
+    """The paths of the `size`-node tree the DP's choices describe, handing out each node's nodes rank by rank."""
+    depth = len(useful)
     paths: list[tuple[int, ...]] = []
     stack: list[tuple[tuple[int, ...], int]] = [((), size)]
     while stack:
@@ -465,8 +487,7 @@ def sequoia(acceptance, budget: int, max_depth: int | None = None) -> Tree:
                 stack.append((path + (r,), m))
                 left -= m
         assert left == 0, "sequoia: the DP's reconstruction lost nodes"
-    assert len(paths) == size
-    return _build(sorted(paths, key=lambda p: (len(p), p)))
+    return paths
 
 
 def pick_tree(candidates, acceptance, step_seconds) -> tuple[int, list[dict]]:
@@ -549,38 +570,31 @@ def measure_acceptance(records, tree: Tree) -> list[list[float]]:
     return [[h / o if o else 0.0 for h, o in zip(hits[d], offered[d])] for d in range(depth)]
 
 
-def _layout(tree: Tree) -> list[tuple[float, float]]:
-    # Leaves get consecutive x slots in depth-first rank order and parents sit over
-    # the middle of their children, so edges never cross.
-    x = [0.0] * tree.size
-    next_slot = 0.0
-    order: list[int] = []
-    stack = [0]
-    while stack:
-        i = stack.pop()
-        order.append(i)
-        stack.extend(reversed(tree.children[i]))
-    for i in order:
-        if not tree.children[i]:
-            x[i] = next_slot
-            next_slot += 1
-    for i in reversed(order):  # children are visited after parents in pre-order
-        kids = tree.children[i]
-        if kids:
-            x[i] = (x[kids[0]] + x[kids[-1]]) / 2
-    return [(x[i], -float(tree.depths[i])) for i in range(tree.size)]
+def _layout(graph: networkx.DiGraph) -> dict[int, tuple[float, float]]:
+    """(x, y) per node of a tree's DiGraph (Tree.to_networkx): y = -depth, leaves in consecutive x slots in
+    depth-first rank order and parents over the middle of their children, so edges never cross."""
+    # Post-order places a node's children before it and visits the leaves in depth-first order;
+    # siblings' node indices are in rank order, so sorting them visits children by rank.
+    x: dict[int, float] = {}
+    slots = itertools.count()
+    for i in networkx.dfs_postorder_nodes(graph, 0, sort_neighbors=sorted):
+        kids = sorted(graph.successors(i))
+        x[i] = (x[kids[0]] + x[kids[-1]]) / 2 if kids else float(next(slots))
+    return {i: (x[i], -float(graph.nodes[i]["depth"])) for i in graph}
 
 
 def draw_tree(tree: Tree, png_path, labels=None) -> None:
     """Write a PNG of the tree: root on top, one row per depth, node index (or labels[i]) in each circle."""
-    # Figure + the Agg canvas directly, so drawing never touches pyplot's global backend state.
+    # Figure + the Agg canvas directly, and networkx drawing onto its axes (never pyplot's current ones),
+    # so drawing never touches pyplot's global backend or figure state.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     if labels is not None and len(labels) != tree.size:
         raise ValueError(f"draw_tree got {len(labels)} labels for a tree of {tree.size} nodes")
-    pos = _layout(tree)
-    leaves = sum(1 for c in tree.children if not c)
+    graph = tree.to_networkx()
+    pos = _layout(graph)
+    leaves = sum(1 for _, out in graph.out_degree() if out == 0)
     rows = tree.max_depth + 1
     width_in = min(40.0, max(4.0, 1.0 + 0.5 * leaves))
     height_in = min(24.0, max(2.5, 1.2 + 0.8 * rows))
@@ -592,14 +606,12 @@ def draw_tree(tree: Tree, png_path, labels=None) -> None:
     fig = Figure(figsize=(width_in, height_in), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    for i, p in enumerate(tree.parents):
-        if p >= 0:
-            ax.plot([pos[p][0], pos[i][0]], [pos[p][1], pos[i][1]], color="0.55", linewidth=0.8, zorder=1)
-    xs, ys = zip(*pos)
-    ax.scatter(xs, ys, s=node_pt**2, color="#cfe3f7", edgecolors="#2f5d8a", linewidths=0.8, zorder=2)
-    for i, (px, py) in enumerate(pos):
-        text = str(i) if labels is None else str(labels[i])
-        ax.text(px, py, text, ha="center", va="center", fontsize=font_pt, zorder=3)
+    networkx.draw_networkx_edges(graph, pos, ax=ax, arrows=False, edge_color="0.55", width=0.8)
+    networkx.draw_networkx_nodes(graph, pos, ax=ax, node_size=node_pt**2, node_color="#cfe3f7",
+                                 edgecolors="#2f5d8a", linewidths=0.8)
+    text = {i: str(i) if labels is None else str(labels[i]) for i in graph}
+    networkx.draw_networkx_labels(graph, pos, labels=text, ax=ax, font_size=font_pt)
+    xs = [px for px, _ in pos.values()]
     ax.set_title(f"token tree: {tree.size} nodes, depth {tree.max_depth}, max width {tree.max_width}")
     ax.set_xlim(min(xs) - 0.7, max(xs) + 0.7)
     ax.set_ylim(-tree.max_depth - 0.7, 0.7)

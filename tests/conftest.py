@@ -68,7 +68,8 @@ def cli_env() -> dict:
 
 def run_specc(*args, cwd=None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `python -m specc ARGS...` as a real subprocess and capture its output as text."""
-    return subprocess.run([sys.executable, "-m", "specc", *map(str, args)], cwd=cwd, env=cli_env(),
+    # -P: the working directory (often the repository root) is not put on sys.path, as for an installed command.
+    return subprocess.run([sys.executable, "-P", "-m", "specc", *map(str, args)], cwd=cwd, env=cli_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -12,7 +12,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny import tiny_config, tiny_model  # noqa: E402
 
 from specc.backends import EagerGraph  # noqa: E402
-from specc.capture import TargetModule, capture, causal_mask  # noqa: E402
+from specc.pipeline import capture  # noqa: E402
+from specc.target_module import TargetModule, causal_mask, module_state  # noqa: E402
 from specc.errors import SpeccError  # noqa: E402
 from specc.models import check_architecture, load_model  # noqa: E402
 
@@ -108,7 +109,7 @@ def test_eager_graph_binds_another_modules_tensors():
     ep = capture(tm1, args)
     for c in caches(tm1):
         c.zero_()
-    g = EagerGraph(ep, tm2.state())
+    g = EagerGraph(ep, module_state(tm2))
     out = g(*args)[0]
     torch.testing.assert_close(out, m2(ids).logits, atol=ATOL, rtol=0)
     assert all(c[:, :, :5].abs().sum() > 0 for c in caches(tm2))

@@ -367,7 +367,7 @@ def _(c: Ctx):
 def test_inspect_passes_and_tree_png(result):
     png, proc = result
     assert_ok(proc)
-    for word in ("chain:3", "prefill", "plain", "step", "capture", "tree_inputs", "verify", "compact_kv",
+    for word in ("chain:3", "prefill", "plain", "step", "capture", "tree_inputs", "accept", "compact_kv",
                  "sample_last"):
         assert word in proc.stdout, word
     assert png.read_bytes()[:8] == PNG_MAGIC

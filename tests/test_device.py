@@ -51,7 +51,8 @@ def test_on_device_moves_a_copy():
     """move_to_device_pass works in place; the engine still needs the CPU program afterwards (the
     fused step is built from the lowered step and drafter programs), so on_device moves a copy."""
     from specc.backends import on_device
-    from specc.capture import TargetModule, capture, causal_mask
+    from specc.pipeline import capture
+    from specc.target_module import TargetModule, causal_mask
 
     tm = TargetModule(tiny_model("llama", vocab=64, layers=1, seed=2), 16)
     T = 2

@@ -164,7 +164,9 @@ def test_step_module_matches_training_forward(target, layers, block):
         rows = taps[start:start + piece]
         padded = torch.cat((rows, torch.randn(R - piece, rows.shape[1])))  # padding must not matter
         anchor = start + piece
-        drafts = step(padded, torch.tensor(start), torch.tensor(piece), tokens[anchor])
+        # Row i pairs with the token after it (the DraftSignature); the last one is the block's anchor.
+        nxt = torch.cat((tokens[start + 1: anchor + 1], torch.randint(0, 64, (R - piece,))))
+        drafts = step(padded, nxt, torch.tensor(start), torch.tensor(piece))
         ref = draft_logits(d, emb, head, taps, tokens, torch.tensor([anchor]))[0].argmax(-1)
         assert drafts.tolist() == ref.tolist()
         logits_ref = draft_logits(d, emb, head, taps, tokens, torch.tensor([anchor]))
@@ -208,7 +210,7 @@ def test_step_module_runs_shorter_blocks(target):
     taps = taps_of(target, tokens.tolist(), d.config.target_layer_ids)
     emb, head = target.model.embed_tokens, target.lm_head.weight
     step = DFlashStep(d, emb, head, cache_len=32, block_size=3)
-    drafts = step(taps[:12], torch.tensor(0), torch.tensor(12), tokens[12])
+    drafts = step(taps[:12], tokens[1:13], torch.tensor(0), torch.tensor(12))
     ref = draft_logits(short, emb, head, taps, tokens, torch.tensor([12]))[0].argmax(-1)
     assert drafts.tolist() == ref.tolist() and len(drafts) == 2
     with pytest.raises(SpeccError, match="blocks of 2 to 5"):
@@ -229,4 +231,4 @@ def test_shortened_training_blocks_equal_run_time_blocks(target):
         alone = draft_logits(d, emb, head, taps, tokens, anchors[j:j + 1], block_size=b)[0]
         torch.testing.assert_close(mixed[j, : b - 1], alone, rtol=1e-4, atol=1e-4)
         step = DFlashStep(d, emb, head, cache_len=40, block_size=b)
-        assert step(taps[:a], torch.tensor(0), torch.tensor(a), tokens[a]).tolist() == alone.argmax(-1).tolist()
+        assert step(taps[:a], tokens[1: a + 1], torch.tensor(0), torch.tensor(a)).tolist() == alone.argmax(-1).tolist()

@@ -2,7 +2,7 @@
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from specc.drafters import NgramDrafter, ngram_propose
+from specc.drafters.ngram import NgramDrafter, ngram_propose
 from specc.tree import chain
 
 
@@ -39,7 +39,7 @@ def test_ngram_drafter_pads_and_reports_misses():
 
 def test_ngram_continuations_first_is_the_chain_proposal():
     tokens = np.array([5, 1, 2, 3, 1, 2, 4, 1, 2], dtype=np.int64)
-    conts = __import__("specc.drafters", fromlist=["x"]).ngram_continuations(tokens, 3, 2, 1)
+    conts = __import__("specc.drafters.ngram", fromlist=["x"]).ngram_continuations(tokens, 3, 2, 1)
     assert conts[0] == ngram_propose(tokens, 3, 2, 1) == [4, 1, 2]
     assert conts[:2] == [[4, 1, 2], [3, 1, 2]]  # suffix [1, 2]: latest occurrence first
     assert len(conts) == len({tuple(c) for c in conts})
@@ -53,7 +53,7 @@ def _node_tokens(tree, drafts, root):
 @given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=4), max_size=6), st.integers(1, 3),
        st.integers(1, 3))
 def test_ngram_tree_drafts_follow_continuations(conts, depth, width):
-    from specc.drafters import ngram_tree_drafts
+    from specc.drafters.ngram import ngram_tree_drafts
     from specc.tree import topk
 
     uniq = []
@@ -104,9 +104,9 @@ def test_sampled_drafts_draw_each_slot_from_its_depth():
     (depth, rank) slot; the draws follow q; greedy keeps the top-k drafts."""
     import torch
 
-    from specc.drafters import draft_slots, sampled_drafts, tree_drafts
+    from specc.draft_tokens import draft_slots, sampled_drafts, tree_drafts
     from specc.tree import topk
-    from specc.verify import reference_sampling_probs
+    from specc.acceptance import reference_sampling_probs
 
     tree = topk(3, 2)
     depth, rank, width = draft_slots(tree)

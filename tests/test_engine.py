@@ -121,8 +121,9 @@ def test_prefill_every_tail_length(llama_dir, tmp_path):
 def test_compile_cache_key_sees_the_tree(llama_dir):
     """Two trees of the same size must never share a cached package; the same tree must."""
     from specc.backends import cache_key, lift
-    from specc.capture import TargetModule
-    from specc.compiler import build_program, graph_plans
+    from specc.drafters import get_kind
+    from specc.plans import build_program, graph_plans
+    from specc.target_module import TargetModule, module_state
     from specc.pipeline import example_inputs
     from specc.tree import tree_from_paths
 
@@ -131,10 +132,10 @@ def test_compile_cache_key_sees_the_tree(llama_dir):
 
     def key(paths):
         tree = tree_from_paths(paths)
-        plan = [p for p in graph_plans(tree, "ngram", 8, 40) if p.name == "step"][0]
-        ep = build_program(plan, tm)
+        plan = [p for p in graph_plans(get_kind("ngram"), tree, 8, 40) if p.name == "step"][0]
+        ep = build_program(plan, {"target": tm}, {}, tree)
         args = example_inputs(ep)
-        lifted, sub = lift(ep, tm.state(), args)
+        lifted, sub = lift(ep, module_state(tm), args)
         return cache_key(lifted, sub, args)
 
     a = key([[0], [1], [0, 0]])

@@ -21,14 +21,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny import tiny_model  # noqa: E402
 
 import specc.kernels as K  # noqa: E402
-from specc.capture import NEG_INF, TargetModule, capture, causal_mask  # noqa: E402
-from specc.compiler import build_program, graph_plans  # noqa: E402
+from specc.drafters import get_kind  # noqa: E402
+from specc.pipeline import capture  # noqa: E402
+from specc.plans import build_program, graph_plans  # noqa: E402
+from specc.target_module import NEG_INF, TargetModule, causal_mask  # noqa: E402
 from specc.kernels import compact_kv as compact_mod  # noqa: E402
 from specc.kernels import tree_accept as accept_mod  # noqa: E402
 from specc.kernels import tree_attention as attention_mod  # noqa: E402
 from specc.passes.tree_attention import SDPA, tree_attention  # noqa: E402
 from specc.tree import chain, topk, tree_from_paths  # noqa: E402
-from specc.verify import (accept_greedy, accept_sample, reference_accept_greedy, sampling_probs,  # noqa: E402
+from specc.acceptance import (accept_greedy, accept_sample, reference_accept_greedy, sampling_probs,  # noqa: E402
                           tree_depth)
 
 ops = torch.ops.specc
@@ -65,7 +67,7 @@ def test_interpreter_subprocess():
     if INTERPRETING:
         pytest.skip("the Triton kernels ran under the interpreter in this process")
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+    proc = subprocess.run([sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                            "triton and not subprocess"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout
@@ -457,14 +459,14 @@ def test_tree_attention_pass_replaces_sdpa_and_keeps_values(arch, heads, kv):
 
 def test_graph_plans_run_the_kernel_passes():
     tr = topk(2, 2)
-    plans = {p.name: p for p in graph_plans(tr, "ngram", 8, S)}
-    assert plans["step"].pipeline.names == ["tree_attention", "tree_inputs", "verify", "compact_kv"]
-    assert plans["plain"].pipeline.names == ["tree_attention", "tree_inputs", "verify", "compact_kv"]
+    plans = {p.name: p for p in graph_plans(get_kind("ngram"), tr, 8, S)}
+    assert plans["step"].pipeline.names == ["tree_attention", "tree_inputs", "accept", "compact_kv"]
+    assert plans["plain"].pipeline.names == ["tree_attention", "tree_inputs", "accept", "compact_kv"]
     assert "tree_attention" not in plans["prefill"].pipeline.names
-    ind = {p.name: p for p in graph_plans(tr, "ngram", 8, S, backend="inductor")}
-    assert ind["step"].pipeline.names == ["matvec", "tree_attention", "tree_inputs", "verify", "compact_kv"]
+    ind = {p.name: p for p in graph_plans(get_kind("ngram"), tr, 8, S, backend="inductor")}
+    assert ind["step"].pipeline.names == ["matvec", "tree_attention", "tree_inputs", "accept", "compact_kv"]
     tm = TargetModule(tiny_model("llama", seed=2), S)
-    ep = build_program(plans["step"], tm)
+    ep = build_program(plans["step"], {"target": tm}, {}, tr)
     n_layers = len(tm.blocks)
     assert count(ep, lambda t: t is ops.tree_attention.default) == n_layers
     assert count(ep, lambda t: t is ops.compact_kv_.default) == 2 * n_layers  # one per k and v cache

@@ -334,7 +334,7 @@ def test_reference_drafts(arch):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @torch.no_grad()
 def test_layer_is_the_targets_class_and_capture_block_wraps_it(arch):
-    from specc.capture import Block, causal_mask
+    from specc.target_module import Block, causal_mask
     from specc.mtp import MTPHeads, mtp_config_for
 
     model = target(arch)
@@ -366,7 +366,7 @@ def mtp_step(heads, model, depth: int, cache_len: int = 64):
 
 @torch.no_grad()
 def test_target_module_final_norm_tap():
-    from specc.capture import TargetModule, causal_mask
+    from specc.target_module import TargetModule, causal_mask
 
     model = target("llama")
     L = model.config.num_hidden_layers

@@ -1,4 +1,4 @@
-"""Graph passes (tree_inputs, verify, compact_kv, sample_last) and the Pipeline, against plain references:
+"""Graph passes (tree_inputs, accept, compact_kv, sample_last) and the Pipeline, against plain references:
 Hugging Face forwards over explicit token sequences and the plain-Python acceptance oracles."""
 from __future__ import annotations
 
@@ -13,14 +13,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny import tiny_model  # noqa: E402
 
 from specc.backends import EagerGraph  # noqa: E402
-from specc.capture import NEG_INF, TargetModule, capture, causal_mask  # noqa: E402
-from specc.compiler import GraphPlan, build_program, graph_plans  # noqa: E402
+from specc.drafters import get_kind  # noqa: E402
+from specc.pipeline import capture  # noqa: E402
+from specc.plans import GraphPlan, build_program, graph_plans  # noqa: E402
+from specc.target_module import NEG_INF, TargetModule, causal_mask, module_state  # noqa: E402
 from specc.passes.compact_kv import compact_kv  # noqa: E402
 from specc.passes.matvec import matvec  # noqa: E402
 from specc.passes.tree_inputs import TreeInputs, tree_inputs  # noqa: E402
 from specc.pipeline import Pipeline  # noqa: E402
 from specc.tree import chain, topk, tree_from_paths  # noqa: E402
-from specc.verify import reference_accept_greedy, reference_accept_sample  # noqa: E402
+from specc.acceptance import reference_accept_greedy, reference_accept_sample  # noqa: E402
 
 V = 64  # vocabulary of the tiny models
 S = 48  # cache length
@@ -76,7 +78,7 @@ def caches(tm: TargetModule) -> list[torch.Tensor]:
 
 
 def build(tm: TargetModule, T: int, pipeline: Pipeline, dump_dir=None, label="graph"):
-    return build_program(GraphPlan(label, "target", T, pipeline), tm, dump_dir)
+    return build_program(GraphPlan(label, "target", T, pipeline), {"target": tm}, {}, chain(T - 1), dump_dir)
 
 
 def force_path(model, tree, want: list[int], prefix: list[int], root: int, seed: int) -> list[int]:
@@ -137,7 +139,7 @@ def test_tree_inputs_logits_match_hf_on_each_path(model, name):
     assert not any(c.any() for c in caches(tm))  # capture and the passes do not write the cache
     prefill(tm, PROMPT)
     prefix_cache = [c[:, :, :P].clone() for c in caches(tm)]
-    graph = EagerGraph(ep, tm.state())
+    graph = EagerGraph(ep, module_state(tm))
     # Twice at the same base length with different tokens (a rejected step is redone over stale slots).
     for seed in (1, 2):
         tokens = rand_tokens(tree.size, seed)
@@ -148,19 +150,19 @@ def test_tree_inputs_logits_match_hf_on_each_path(model, name):
             assert torch.equal(c[:, :, :P], before)  # the committed prefix is never written
 
 
-# --------------------------------------------------------------------------- verify + compact_kv
+# --------------------------------------------------------------------------- accept + compact_kv
 
 
 @pytest.fixture(scope="module", params=["topk2x2", "irregular"])
 def step(request, model, tmp_path_factory):
-    """The decode-step program of graph_plans (tree_attention -> tree_inputs -> verify -> compact_kv), dumped."""
+    """The decode-step program of graph_plans (tree_attention -> tree_inputs -> accept -> compact_kv), dumped."""
     tree = TREES[request.param]
-    (plan,) = [p for p in graph_plans(tree, "ngram", 8, S) if p.name == "step"]
-    assert plan.T == tree.size and plan.pipeline.names == ["tree_attention", "tree_inputs", "verify", "compact_kv"]
+    (plan,) = [p for p in graph_plans(get_kind("ngram"), tree, 8, S) if p.name == "step"]
+    assert plan.T == tree.size and plan.pipeline.names == ["tree_attention", "tree_inputs", "accept", "compact_kv"]
     tm = TargetModule(model, S)
     dump = tmp_path_factory.mktemp("dump")
-    ep = build_program(plan, tm, dump)
-    return request.param, tree, tm, EagerGraph(ep, tm.state()), dump
+    ep = build_program(plan, {"target": tm}, {}, tree, dump)
+    return request.param, tree, tm, EagerGraph(ep, module_state(tm)), dump
 
 
 GREEDY_PATHS = {
@@ -178,7 +180,7 @@ def assert_cache_is_plain_prefill(model, tm: TargetModule, committed: list[int])
 
 
 @torch.no_grad()
-def test_verify_greedy_and_compact_kv(model, step):
+def test_accept_greedy_and_compact_kv(model, step):
     name, tree, tm, graph, _ = step
     D = tree.max_depth
     for k, want in enumerate(GREEDY_PATHS[name]):
@@ -213,7 +215,7 @@ def test_verify_greedy_and_compact_kv(model, step):
 
 
 @torch.no_grad()
-def test_verify_sampling_matches_reference(model, step):
+def test_accept_sampling_matches_reference(model, step):
     name, tree, tm, graph, _ = step
     T = tree.size
     seen_n = set()
@@ -251,10 +253,10 @@ def test_compact_kv_is_identity_on_chains(model):
 
 @pytest.fixture(scope="module")
 def prefill_program(model):
-    (plan,) = [p for p in graph_plans(chain(0), "none", 8, S) if p.name == "prefill"]
+    (plan,) = [p for p in graph_plans(get_kind("none"), chain(0), 8, S) if p.name == "prefill"]
     assert plan.T == 8 and plan.pipeline.names == ["tree_inputs", "sample_last"]
     tm = TargetModule(model, S)
-    return tm, EagerGraph(build_program(plan, tm), tm.state())
+    return tm, EagerGraph(build_program(plan, {"target": tm}, {}, chain(0)), module_state(tm))
 
 
 @pytest.mark.parametrize("length", [1, 5, 8, 13])
@@ -317,7 +319,7 @@ def test_matvec_rewrites_few_row_linears_only(arch, T):
 
 def test_pipeline_dumps_every_pass(step):
     _, _, _, _, dump = step
-    names = ["00-capture", "01-tree_attention", "02-tree_inputs", "03-verify", "04-compact_kv"]
+    names = ["00-capture", "01-tree_attention", "02-tree_inputs", "03-accept", "04-compact_kv"]
     files = sorted(p.name for p in dump.iterdir())
     assert files == [f"step.{n}.txt" for n in names]
     for n in names:

@@ -27,7 +27,7 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from specc.verify import accept, accept_sample, accept_sample_sampled, sampling_probs
+from specc.acceptance import accept, accept_sample, accept_sample_sampled, sampling_probs
 
 V = 6
 N = 20_000

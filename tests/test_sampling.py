@@ -8,8 +8,8 @@ import torch
 from scipy.stats import chi2
 
 import specc
-import specc.passes.verify as verify_pass
-from specc.verify import accept
+import specc.passes.accept as accept_pass
+from specc.acceptance import accept
 from tiny import tiny_model
 
 V, NEW, RUNS = 8, 4, 1500
@@ -85,7 +85,7 @@ def test_wrong_acceptance_rule_is_detected(models, tmp_path, monkeypatch):
         u = torch.cat([uniforms[:-1] * 0.5, uniforms[-1:]])
         return accept(logits, tokens, parents, children, temperature, top_p, u, draft_probs)
 
-    monkeypatch.setattr(verify_pass, "accept", over_accepting)
+    monkeypatch.setattr(accept_pass, "accept_tree", over_accepting)
     root, target = models
     samples, _ = sample_runs(root, tmp_path)
     p = g_test(samples, exact_distribution(target, 1.0))
@@ -134,7 +134,7 @@ def test_sampled_children_with_a_wrong_q_are_detected(models, tmp_path, monkeypa
         return accept(logits, tokens, parents, children, temperature, top_p, uniforms,
                       torch.full_like(draft_probs, 1.0 / V))
 
-    monkeypatch.setattr(verify_pass, "accept", wrong_q)
+    monkeypatch.setattr(accept_pass, "accept_tree", wrong_q)
     root, target = models
     samples, _ = tree_samples(root, target, tmp_path, "sampled")
     assert traced_with_q  # the step graph verifies sampled children with a q

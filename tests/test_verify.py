@@ -1,4 +1,4 @@
-"""Tests for specc.verify: vectorised == reference, losslessness, export."""
+"""Tests for specc.acceptance: vectorised == reference, losslessness, export."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from specc.verify import (
+from specc.acceptance import (
     accept,
     accept_greedy,
     accept_sample,
@@ -642,13 +642,13 @@ def test_sampled_degenerate_cases():
 
 
 def test_sampled_residual_fallback():
-    from specc.verify import _sampled_residual
+    from specc.kernels.tree_accept import sampled_residual
 
     p = torch.tensor([0.25, 0.5, 0.25, 0.0])
     # max(p - q, 0) == 0 (p == q, or q above p everywhere): keep p
-    assert torch.equal(_sampled_residual(p, p.clone()), p)
-    assert torch.equal(_sampled_residual(p, torch.tensor([0.3, 0.6, 0.3, 0.1])), p)
-    got = _sampled_residual(p, torch.tensor([0.5, 0.25, 0.0, 0.25]))
+    assert torch.equal(sampled_residual(p, p.clone()), p)
+    assert torch.equal(sampled_residual(p, torch.tensor([0.3, 0.6, 0.3, 0.1])), p)
+    got = sampled_residual(p, torch.tensor([0.5, 0.25, 0.0, 0.25]))
     torch.testing.assert_close(got, torch.tensor([0.0, 0.5, 0.5, 0.0]))
 
 

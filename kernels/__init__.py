@@ -17,7 +17,7 @@ Each op is a `torch.library.triton_op`: torch.export keeps it as one node (what 
 and the tests look for), while Inductor and AOTInductor trace into its body. A compiled CUDA graph
 therefore embeds the Triton kernels, and a compiled CPU graph runs the reference as native code,
 with no call back into Python per layer and step (a plain custom op would go through AOTI's proxy
-executor). The acceptance ops' CPU bodies are the vectorised walks of specc.verify. Triton has no CPU code generator, so the kernels are tested on
+executor). The acceptance ops' CPU bodies are the vectorised walks of specc.acceptance. Triton has no CPU code generator, so the kernels are tested on
 CPU under ``TRITON_INTERPRET=1`` against the references (tests/test_kernels.py).
 
 The package lives inside specc/ rather than in a top-level kernels/ folder: transformers probes
@@ -26,15 +26,19 @@ whenever Python runs from the repository root.
 """
 from __future__ import annotations
 
-from ._triton import HAS_TRITON
-from .compact_kv import compact_kv_reference, compact_kv_triton
-from .tree_accept import (accept_greedy_reference, accept_greedy_triton, accept_sample_reference,
-                          accept_sample_triton)
-from .tree_attention import tree_attention_reference, tree_attention_triton
+if __name__ != "specc.kernels":  # found as a top-level `kernels` from the repository root: stay inert
+    __all__: list[str] = []
+else:
+    from .compact_kv import compact_kv_reference, compact_kv_triton
+    from .tree_accept import (accept_greedy_reference, accept_greedy_triton, accept_sample_reference,
+                              accept_sample_triton, accept_sampled_reference)
+    from .tree_attention import tree_attention_reference, tree_attention_triton
+    from .triton_support import HAS_TRITON
 
-__all__ = [
-    "HAS_TRITON",
-    "tree_attention_reference", "tree_attention_triton",
-    "accept_greedy_reference", "accept_greedy_triton", "accept_sample_reference", "accept_sample_triton",
-    "compact_kv_reference", "compact_kv_triton",
-]
+    __all__ = [
+        "HAS_TRITON",
+        "tree_attention_reference", "tree_attention_triton",
+        "accept_greedy_reference", "accept_greedy_triton", "accept_sample_reference", "accept_sample_triton",
+        "accept_sampled_reference",
+        "compact_kv_reference", "compact_kv_triton",
+    ]

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._triton import next_pow2, require_triton, tl, traced, triton, wrap_triton
+from .triton_support import next_pow2, require_triton, tl, traced, triton, wrap_triton
 
 
 def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import next_pow2, require_triton, tl, traced, triton, wrap_triton
+from .triton_support import next_pow2, require_triton, tl, traced, triton, wrap_triton
 
 
 def _check(cache: Tensor, src_slots: Tensor, dst_start: Tensor) -> None:

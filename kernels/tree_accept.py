@@ -1,17 +1,16 @@
-"""`specc::tree_accept_greedy` and `specc::tree_accept_sample`: acceptance of a static draft tree.
-
-Semantics are those of specc.verify (read its module docstring for the tree conventions):
+"""Acceptance of a static draft tree: the vectorised references beside their Triton kernels.
 
     tree_accept_greedy(logits [T, V], tokens [T], children [T, W], depth) -> (n [], path [depth+1], out [depth+1])
-        == specc.verify.accept_greedy(logits, tokens, parents, children)
     tree_accept_sample(probs [T, V], tokens [T], children [T, W], depth, uniforms [T+1]) -> (n, path, out)
-        == specc.verify.accept_sample(...) with probs = specc.verify.sampling_probs(logits, temperature, top_p)
 
-`children` holds each node's children in rank order, padded with -1; `depth` is the tree's depth
-(the walk makes exactly `depth` steps, so it is static). All outputs are int64.
+The rules, their conventions and why they are exact are in specc/acceptance.py, which also holds
+the plain-Python oracles the tests check these against. `children` holds each node's children in
+rank order, padded with -1; `depth` is the tree's depth (the walk makes exactly `depth` steps, so
+it is static). All outputs are int64.
 
-The references walk the tree in Python over concrete values, with the same tensor operations
-accept_greedy / accept_sample use, so on CPU they give the same bits.
+`accept_greedy_reference`, `accept_sample_reference` and `accept_sampled_reference` (children drawn
+i.i.d. from the drafter) are vectorised with static loops, so torch.export and Inductor trace them:
+they are the ops' bodies off CUDA, and the oracles of the Triton kernels.
 
 Triton: a first kernel reduces every row in parallel (the argmax of each logits row, or the sum of
 each probability row); a second, single-program kernel walks the tree (depth and width are small)
@@ -30,16 +29,14 @@ Floating-point caveats of the Triton path, all confined to measure-zero events:
 * residual inverse CDF: the residual sum and the cumulative sums are accumulated in fp64 blocks
   (torch's CPU cumsum accumulates fp32 in double too; CUDA's scans in fp32), so the drawn index
   can differ from the reference only when u lies within rounding of a CDF step. The guard of
-  specc.verify._inverse_cdf is kept: the draw never goes past the last index of positive mass.
+  inverse_cdf_rows is kept: the draw never goes past the last index of positive mass.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from specc.verify import _inverse_cdf, greedy_walk, one_hot_walk
-
-from ._triton import next_pow2, require_triton, tl, triton, wrap_triton
+from .triton_support import next_pow2, require_triton, tl, triton, wrap_triton
 
 
 def _check(scores: Tensor, tokens: Tensor, children: Tensor, depth: int, uniforms: Tensor | None = None) -> None:
@@ -56,59 +53,155 @@ def _check(scores: Tensor, tokens: Tensor, children: Tensor, depth: int, uniform
         raise ValueError(f"tree_accept: uniforms must be [{T + 1}], got {tuple(uniforms.shape)}")
 
 
-def _result(path: list[int], out: list[int], depth: int, device) -> tuple[Tensor, Tensor, Tensor]:
-    """(n, path, out) padded to depth + 1 by repeating the last entry, as specc.verify pads them."""
-    n = len(path) - 1
-    path = path + [path[-1]] * (depth + 1 - len(path))
-    out = out + [out[-1]] * (depth + 1 - len(out))
-    as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
-    return as_t(n), as_t(path), as_t(out)
+def _at(table: Tensor, idx: Tensor) -> Tensor:
+    """``table[idx]`` for a 0-d index tensor, as a gather (export friendly)."""
+    return torch.index_select(table, 0, idx.reshape(1)).squeeze(0)
 
 
-def accept_greedy_reference(logits: Tensor, tokens: Tensor, children: Tensor, depth: int):
-    target = torch.argmax(logits, dim=-1).tolist()  # the same argmax as accept_greedy: first maximum
-    toks = tokens.tolist()
-    kids = children.tolist()
-    cur, path, out = 0, [0], []
+def _finish(nodes: list[Tensor], n: Tensor, tokens: Tensor, bonus: Tensor):
+    """Assemble (n, path, out_tokens) from per-depth node indices."""
+    path = torch.stack(nodes)  # [D + 1]
+    depth = path.shape[0] - 1
+    bonus = bonus.reshape(()).to(torch.int64)
+    if depth == 0:
+        return n, path, bonus.reshape(1)
+    drafted = tokens[path[1:]].to(torch.int64)  # [D]
+    idx = torch.arange(depth, device=path.device)
+    head = torch.where(idx < n, drafted, bonus)
+    return n, path, torch.cat([head, bonus.reshape(1)])
+
+
+def accept_greedy_reference(logits: Tensor, tokens: Tensor, children: Tensor, depth: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Greedy acceptance, vectorised with static loops (depth, width): the op's body off CUDA and the
+    Triton kernel's reference. Walk from the root to the first child (in rank order) whose token is
+    the argmax of the current node's row; the bonus is the argmax at the last accepted node."""
+    device = logits.device
+    children = children.to(torch.int64)
+    tokens = tokens.to(torch.int64)
+    target = torch.argmax(logits, dim=-1)  # [T]
+    valid = children >= 0  # [T, W]
+    child_idx = children.clamp(min=0)
+    match = valid & (tokens[child_idx] == target.unsqueeze(-1))  # [T, W]
+
+    cur = torch.zeros((), dtype=torch.int64, device=device)
+    n = torch.zeros((), dtype=torch.int64, device=device)
+    alive = torch.ones((), dtype=torch.bool, device=device)
+    nodes = [cur]
     for _ in range(depth):
-        nxt = next((c for c in kids[cur] if c >= 0 and toks[c] == target[cur]), -1)
-        if nxt < 0:
-            break
-        path.append(nxt)
-        out.append(toks[nxt])
-        cur = nxt
-    out.append(target[cur])
-    return _result(path, out, depth, logits.device)
+        m = _at(match, cur)  # [W]
+        found = m.any()
+        first = torch.argmax(m.to(torch.int64))  # first True (0 if none)
+        nxt = _at(_at(child_idx, cur), first)
+        step = alive & found
+        cur = torch.where(step, nxt, cur)
+        n = n + step.to(torch.int64)
+        alive = step
+        nodes.append(cur)
+    bonus = _at(target, cur)
+    return _finish(nodes, n, tokens, bonus)
 
 
-def accept_sample_reference(probs: Tensor, tokens: Tensor, children: Tensor, depth: int, uniforms: Tensor):
-    probs = probs.to(torch.float32)
-    u = uniforms.to(torch.float32)
-    toks = tokens.tolist()
-    kids = children.tolist()
-    T = probs.shape[0]
-    cur, path, out = 0, [0], []
-    row = probs[0].clone()
+def inverse_cdf_rows(p: Tensor, u: Tensor) -> Tensor:
+    """The inverse-CDF draw of every row of ``p`` (``[N, V]``) with its own ``u[n]``: one draw per
+    row: the first index whose cumulative sum of p/sum(p) exceeds u, never past the last index with
+    positive mass (also how drafters with sampled children draw them)."""
+    vocab = p.shape[-1]
+    s = p.sum(dim=-1, keepdim=True)
+    cdf = torch.cumsum(p / torch.where(s > 0, s, torch.ones_like(s)), dim=-1)
+    ar = torch.arange(vocab, device=p.device)
+    # guard against cdf[-1] < 1 from rounding: never go past the last
+    # index with positive mass
+    last_nz = torch.amax(torch.where(p > 0, ar, torch.zeros_like(ar)), dim=-1, keepdim=True)
+    hit = (cdf > u.unsqueeze(-1)) | (ar >= last_nz)
+    return torch.argmax(hit.to(torch.int64), dim=-1)
+
+
+def _sibling_walk(probs: Tensor, tokens: Tensor, children: Tensor, depth: int, uniforms: Tensor,
+                  try_child) -> tuple[Tensor, Tensor, Tensor]:
+    """The walk both sampling rules share: from the root, try the current node's children in rank
+    order against the residual ``row`` of its target distribution; move to the first accepted one
+    (with that node's fresh ``p``); when all are rejected, draw the final token from the residual.
+
+    ``try_child(row, x, u, cur) -> (counts, ok, row_if_rejected)``: whether child token ``x`` is a
+    real trial, whether ``u`` accepts it, and the residual after a rejection."""
+    num_nodes, width = tokens.shape[0], children.shape[1]
+    device = probs.device
+    children = children.to(torch.int64)
+    tokens = tokens.to(torch.int64)
+    uniforms = uniforms.to(torch.float32)
+    valid_all = children >= 0
+    child_idx = children.clamp(min=0)
+
+    cur = torch.zeros((), dtype=torch.int64, device=device)
+    n = torch.zeros((), dtype=torch.int64, device=device)
+    searching = torch.ones((), dtype=torch.bool, device=device)
+    resid = probs[0]
+    nodes = [cur]
     for _ in range(depth):
-        nxt = -1
-        for c in kids[cur]:
-            if c < 0:
-                continue
-            x = toks[c]
-            s = row.sum()  # summed again after each rejection, as accept_sample does
-            ratio = row[x] / torch.where(s > 0, s, torch.ones_like(s))
-            if bool(u[c] < ratio):
-                nxt = c
-                break
-            row[x] = 0.0
-        if nxt < 0:
-            break
-        path.append(nxt)
-        out.append(toks[nxt])
-        cur = nxt
-        row = probs[cur].clone()
-    out.append(int(_inverse_cdf(row, u[T])))
-    return _result(path, out, depth, probs.device)
+        row = resid
+        kids = _at(child_idx, cur)  # [W]
+        valid = _at(valid_all, cur)  # [W]
+        accepted = torch.zeros((), dtype=torch.bool, device=device)
+        nxt = cur
+        for w in range(width):
+            c = kids[w]
+            counts, passes, rejected_row = try_child(row, _at(tokens, c), _at(uniforms, c), cur)
+            tried = searching & valid[w] & ~accepted & counts
+            ok = tried & passes
+            nxt = torch.where(ok, c, nxt)
+            accepted = accepted | ok
+            row = torch.where(tried & ~passes, rejected_row, row)
+        cur = torch.where(accepted, nxt, cur)
+        n = n + accepted.to(torch.int64)
+        searching = accepted
+        resid = torch.where(accepted, _at(probs, cur), row)
+        nodes.append(cur)
+    bonus = inverse_cdf_rows(resid.unsqueeze(0), uniforms[num_nodes].reshape(1))[0]
+    return _finish(nodes, n, tokens, bonus)
+
+
+def accept_sample_reference(probs: Tensor, tokens: Tensor, children: Tensor, depth: int,
+                 uniforms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Sampling acceptance of deterministic drafts (q one-hot) on the target's probabilities ``[T, V]``:
+    child x is accepted with probability p(x) / sum(p); on rejection p(x) = 0 and the next sibling is
+    tried; the final token is drawn from the residual. The op's body off CUDA; the kernel's reference."""
+    ar = torch.arange(probs.shape[-1], device=probs.device)
+
+    def one_hot_rule(row, x, u, cur):  # q = one-hot(x): accept with p(x), then p(x) = 0
+        s = row.sum()
+        ratio = _at(row, x) / torch.where(s > 0, s, torch.ones_like(s))
+        return torch.ones((), dtype=torch.bool, device=row.device), u < ratio, torch.where(ar == x, 0.0, row)
+
+    return _sibling_walk(probs.to(torch.float32), tokens, children, depth, uniforms, one_hot_rule)
+
+
+def normalize_rows(q: Tensor) -> Tensor:
+    """Rows of ``q`` divided by their sums; all-zero rows stay zero."""
+    s = q.sum(dim=-1, keepdim=True)
+    return torch.where(s > 0, q / torch.where(s > 0, s, torch.ones_like(s)), q)
+
+
+def sampled_residual(row: Tensor, q: Tensor) -> Tensor:
+    """``norm(max(row - q, 0))``; ``row`` itself when that is all zero."""
+    r = torch.clamp(row - q, min=0.0)
+    z = r.sum()
+    return torch.where(z > 0, r / torch.where(z > 0, z, torch.ones_like(z)), row)
+
+
+def accept_sampled_reference(probs: Tensor, draft_probs: Tensor, tokens: Tensor, children: Tensor, depth: int,
+                             uniforms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Sampling acceptance of children drawn i.i.d. from ``draft_probs[i]`` (node i's q, ``[T, V]``,
+    renormalised here): child x is accepted with probability min(1, p(x)/q(x)); on rejection
+    p = norm(max(p - q, 0)) and the next sibling is tried; a draw with q(x) == 0 is void. Why this is
+    exact: specc/acceptance.py. No Triton kernel yet: compiled graphs inline this body."""
+    qs = normalize_rows(draft_probs.to(torch.float32))
+
+    def min_ratio_rule(row, x, u, cur):
+        q = _at(qs, cur)  # the distribution cur's children were drawn from
+        qx = _at(q, x)
+        return qx > 0, u * qx < _at(row, x), sampled_residual(row, q)
+
+    return _sibling_walk(probs.to(torch.float32), tokens, children, depth, uniforms, min_ratio_rule)
 
 
 if triton is not None:
@@ -278,21 +371,21 @@ def accept_sample_triton(probs: Tensor, tokens: Tensor, children: Tensor, depth:
 
 
 # triton_ops, as tree_attention: compiled graphs inline the kernels (CUDA) or the vectorised walks of
-# specc.verify (elsewhere), which give the references' bits on CPU.
+# specc.acceptance (elsewhere), which give the references' bits on CPU.
 @torch.library.triton_op("specc::tree_accept_greedy", mutates_args=())
 def tree_accept_greedy(logits: Tensor, tokens: Tensor, children: Tensor, depth: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Greedy acceptance: specc.verify.accept_greedy's semantics (see the module docstring)."""
+    """Greedy acceptance: specc.acceptance.accept_greedy's semantics (see the module docstring)."""
     _check(logits, tokens, children, depth)
     if logits.device.type == "cuda" and triton is not None:
         return accept_greedy_triton(logits, tokens, children, depth)
-    return greedy_walk(logits, tokens, children, depth)
+    return accept_greedy_reference(logits, tokens, children, depth)
 
 
 @torch.library.triton_op("specc::tree_accept_sample", mutates_args=())
 def tree_accept_sample(probs: Tensor, tokens: Tensor, children: Tensor, depth: int,
                        uniforms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Stochastic acceptance with sibling retry: specc.verify.accept_sample's rule on given probs."""
+    """Stochastic acceptance with sibling retry: specc.acceptance.accept_sample's rule on given probs."""
     _check(probs, tokens, children, depth, uniforms)
     if probs.device.type == "cuda" and triton is not None:
         return accept_sample_triton(probs, tokens, children, depth, uniforms)
-    return one_hot_walk(probs, tokens, children, depth, uniforms)
+    return accept_sample_reference(probs, tokens, children, depth, uniforms)

@@ -1,4 +1,4 @@
-"""Capture: the target as a batch-1 module with a static KV cache held as buffers, and its export.
+"""The captured target: a batch-1 module with a static KV cache held as buffers.
 
 `TargetModule` runs a Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) over the Hugging Face
 model's own weights and submodules (embedding, norms, activation, rotary embedding). What it adds is what a static step graph needs:
@@ -147,11 +147,15 @@ class TargetModule(nn.Module):
         logits = F.linear(x, self.w_head).float()
         return (logits, *(tapped[i] for i in self.taps))  # in the order asked for
 
-    def state(self) -> dict[str, torch.Tensor]:
-        """Every tensor the runtime owns (weights and caches) under its canonical name."""
-        out = dict(self.named_parameters())
-        out.update(self.named_buffers())
-        return out
+    def example_inputs(self, T: int) -> tuple:
+        """forward's inputs for T consecutive tokens at the start of the cache (what capture traces)."""
+        return (torch.zeros(1, T, dtype=torch.int64), torch.arange(T).view(1, T), torch.arange(T),
+                causal_mask(T, 0, self.cache_len))
+
+
+def module_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor the runtime owns for a captured module (weights and caches), under its own name."""
+    return {**dict(module.named_parameters()), **dict(module.named_buffers())}
 
 
 def sliding_window_limit(config) -> int | None:
@@ -166,11 +170,3 @@ def causal_mask(T: int, start: int, cache_len: int) -> torch.Tensor:
     rows = torch.arange(T).unsqueeze(1) + start
     cols = torch.arange(cache_len).unsqueeze(0)
     return torch.where(cols <= rows, 0.0, NEG_INF).view(1, 1, T, cache_len)
-
-
-def capture(module: nn.Module, example_args: tuple) -> torch.export.ExportedProgram:
-    """torch.export with static shapes; the cache writes stay in the graph as buffer mutations."""
-    # Separate storage per input: aliased example inputs break later decompositions.
-    example_args = tuple(a.clone() for a in example_args)
-    with torch.no_grad():
-        return torch.export.export(module, example_args, strict=False)

@@ -86,7 +86,9 @@ bonus token repeated.
 
 The vectorised functions are traceable by ``torch.export`` with static shapes:
 every loop runs over the static depth ``D`` or the static width ``W``.
-``reference_*`` functions are plain-Python oracles for tests.
+The vectorised walks live beside their Triton kernels (specc/kernels/tree_accept.py); this module
+keeps the rules' entry points, the sampling distribution, and ``reference_*``: plain-Python oracles
+for tests.
 """
 
 from __future__ import annotations
@@ -97,6 +99,11 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+# The vectorised rules are the acceptance ops' references, beside their Triton kernels; importing
+# the package registers the ops (torch.ops.specc.*) that `accept` puts in the step graphs.
+from specc.kernels.tree_accept import (accept_greedy_reference, accept_sample_reference, accept_sampled_reference,
+                                       inverse_cdf_rows)
+
 __all__ = [
     "tree_depth",
     "sampling_probs",
@@ -104,6 +111,7 @@ __all__ = [
     "accept_sample",
     "accept_sample_sampled",
     "accept",
+    "inverse_cdf_rows",
     "reference_sampling_probs",
     "reference_accept_greedy",
     "reference_accept_sample",
@@ -212,122 +220,12 @@ def _tree_setup(tokens: Tensor, parents: Sequence[int], children: Tensor):
     return depth, num_nodes, children.shape[1]
 
 
-def _at(table: Tensor, idx: Tensor) -> Tensor:
-    """``table[idx]`` for a 0-d index tensor, as a gather (export friendly)."""
-    return torch.index_select(table, 0, idx.reshape(1)).squeeze(0)
-
-
-def _finish(nodes: list[Tensor], n: Tensor, tokens: Tensor, bonus: Tensor):
-    """Assemble (n, path, out_tokens) from per-depth node indices."""
-    path = torch.stack(nodes)  # [D + 1]
-    depth = path.shape[0] - 1
-    bonus = bonus.reshape(()).to(torch.int64)
-    if depth == 0:
-        return n, path, bonus.reshape(1)
-    drafted = tokens[path[1:]].to(torch.int64)  # [D]
-    idx = torch.arange(depth, device=path.device)
-    head = torch.where(idx < n, drafted, bonus)
-    return n, path, torch.cat([head, bonus.reshape(1)])
-
-
 def accept_greedy(
     logits: Tensor, tokens: Tensor, parents: Sequence[int], children: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Greedy verification (argmax match).  See module docstring."""
     depth, _, _ = _tree_setup(tokens, parents, children)
-    return greedy_walk(logits, tokens, children, depth)
-
-
-def greedy_walk(logits: Tensor, tokens: Tensor, children: Tensor, depth: int) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`accept_greedy` given the tree's depth instead of its parents (what the
-    ``specc::tree_accept_greedy`` op computes off CUDA)."""
-    device = logits.device
-    children = children.to(torch.int64)
-    tokens = tokens.to(torch.int64)
-    target = torch.argmax(logits, dim=-1)  # [T]
-    valid = children >= 0  # [T, W]
-    child_idx = children.clamp(min=0)
-    match = valid & (tokens[child_idx] == target.unsqueeze(-1))  # [T, W]
-
-    cur = torch.zeros((), dtype=torch.int64, device=device)
-    n = torch.zeros((), dtype=torch.int64, device=device)
-    alive = torch.ones((), dtype=torch.bool, device=device)
-    nodes = [cur]
-    for _ in range(depth):
-        m = _at(match, cur)  # [W]
-        found = m.any()
-        first = torch.argmax(m.to(torch.int64))  # first True (0 if none)
-        nxt = _at(_at(child_idx, cur), first)
-        step = alive & found
-        cur = torch.where(step, nxt, cur)
-        n = n + step.to(torch.int64)
-        alive = step
-        nodes.append(cur)
-    bonus = _at(target, cur)
-    return _finish(nodes, n, tokens, bonus)
-
-
-def _inverse_cdf(p: Tensor, u: Tensor) -> Tensor:
-    """First index whose cumulative sum of p/sum(p) exceeds u (p >= 0, [V])."""
-    return inverse_cdf_rows(p.unsqueeze(0), u.reshape(1))[0]
-
-
-def inverse_cdf_rows(p: Tensor, u: Tensor) -> Tensor:
-    """:func:`_inverse_cdf` of every row of ``p`` (``[N, V]``) with its own ``u[n]``: one draw per
-    row (also how drafters with sampled children draw them)."""
-    vocab = p.shape[-1]
-    s = p.sum(dim=-1, keepdim=True)
-    cdf = torch.cumsum(p / torch.where(s > 0, s, torch.ones_like(s)), dim=-1)
-    ar = torch.arange(vocab, device=p.device)
-    # guard against cdf[-1] < 1 from rounding: never go past the last
-    # index with positive mass
-    last_nz = torch.amax(torch.where(p > 0, ar, torch.zeros_like(ar)), dim=-1, keepdim=True)
-    hit = (cdf > u.unsqueeze(-1)) | (ar >= last_nz)
-    return torch.argmax(hit.to(torch.int64), dim=-1)
-
-
-def _sibling_walk(probs: Tensor, tokens: Tensor, children: Tensor, depth: int, uniforms: Tensor,
-                  try_child) -> tuple[Tensor, Tensor, Tensor]:
-    """The walk both sampling rules share: from the root, try the current node's children in rank
-    order against the residual ``row`` of its target distribution; move to the first accepted one
-    (with that node's fresh ``p``); when all are rejected, draw the final token from the residual.
-
-    ``try_child(row, x, u, cur) -> (counts, ok, row_if_rejected)``: whether child token ``x`` is a
-    real trial, whether ``u`` accepts it, and the residual after a rejection."""
-    num_nodes, width = tokens.shape[0], children.shape[1]
-    device = probs.device
-    children = children.to(torch.int64)
-    tokens = tokens.to(torch.int64)
-    uniforms = uniforms.to(torch.float32)
-    valid_all = children >= 0
-    child_idx = children.clamp(min=0)
-
-    cur = torch.zeros((), dtype=torch.int64, device=device)
-    n = torch.zeros((), dtype=torch.int64, device=device)
-    searching = torch.ones((), dtype=torch.bool, device=device)
-    resid = probs[0]
-    nodes = [cur]
-    for _ in range(depth):
-        row = resid
-        kids = _at(child_idx, cur)  # [W]
-        valid = _at(valid_all, cur)  # [W]
-        accepted = torch.zeros((), dtype=torch.bool, device=device)
-        nxt = cur
-        for w in range(width):
-            c = kids[w]
-            counts, passes, rejected_row = try_child(row, _at(tokens, c), _at(uniforms, c), cur)
-            tried = searching & valid[w] & ~accepted & counts
-            ok = tried & passes
-            nxt = torch.where(ok, c, nxt)
-            accepted = accepted | ok
-            row = torch.where(tried & ~passes, rejected_row, row)
-        cur = torch.where(accepted, nxt, cur)
-        n = n + accepted.to(torch.int64)
-        searching = accepted
-        resid = torch.where(accepted, _at(probs, cur), row)
-        nodes.append(cur)
-    bonus = _inverse_cdf(resid, uniforms[num_nodes])
-    return _finish(nodes, n, tokens, bonus)
+    return accept_greedy_reference(logits, tokens, children, depth)
 
 
 def accept_sample(
@@ -341,34 +239,7 @@ def accept_sample(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Lossless stochastic verification with sibling retry.  See module docstring."""
     depth, _, _ = _tree_setup(tokens, parents, children)
-    return one_hot_walk(sampling_probs(logits, temperature, top_p), tokens, children, depth, uniforms)
-
-
-def one_hot_walk(probs: Tensor, tokens: Tensor, children: Tensor, depth: int,
-                 uniforms: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`accept_sample` on given target probabilities ``[T, V]`` and the tree's depth (what the
-    ``specc::tree_accept_sample`` op computes off CUDA)."""
-    ar = torch.arange(probs.shape[-1], device=probs.device)
-
-    def one_hot_rule(row, x, u, cur):  # q = one-hot(x): accept with p(x), then p(x) = 0
-        s = row.sum()
-        ratio = _at(row, x) / torch.where(s > 0, s, torch.ones_like(s))
-        return torch.ones((), dtype=torch.bool, device=row.device), u < ratio, torch.where(ar == x, 0.0, row)
-
-    return _sibling_walk(probs.to(torch.float32), tokens, children, depth, uniforms, one_hot_rule)
-
-
-def _normalize_rows(q: Tensor) -> Tensor:
-    """Rows of ``q`` divided by their sums; all-zero rows stay zero."""
-    s = q.sum(dim=-1, keepdim=True)
-    return torch.where(s > 0, q / torch.where(s > 0, s, torch.ones_like(s)), q)
-
-
-def _sampled_residual(row: Tensor, q: Tensor) -> Tensor:
-    """``norm(max(row - q, 0))``; ``row`` itself when that is all zero."""
-    r = torch.clamp(row - q, min=0.0)
-    z = r.sum()
-    return torch.where(z > 0, r / torch.where(z > 0, z, torch.ones_like(z)), row)
+    return accept_sample_reference(sampling_probs(logits, temperature, top_p), tokens, children, depth, uniforms)
 
 
 def accept_sample_sampled(
@@ -385,21 +256,14 @@ def accept_sample_sampled(
 
     ``draft_probs`` (``[T, V]``, same shape as ``logits``): row ``i`` is the
     distribution node ``i``'s children were drawn from, i.i.d.; rows are
-    renormalised here and rows of leaves are ignored.  Other arguments and
-    the outputs are as for :func:`accept_sample`.
+    renormalised and rows of leaves are ignored.  Other arguments and the
+    outputs are as for :func:`accept_sample`.
     """
     if tuple(draft_probs.shape) != tuple(logits.shape):
         raise ValueError("draft_probs must have the shape of logits, [T, V]")
-    probs = sampling_probs(logits, temperature, top_p)  # [T, V]
-    qs = _normalize_rows(draft_probs.to(torch.float32))  # [T, V]
-
-    def min_ratio_rule(row, x, u, cur):  # accept with min(1, p(x)/q(x)); then p = norm(max(p - q, 0))
-        q = _at(qs, cur)  # the distribution cur's children were drawn from
-        qx = _at(q, x)
-        return qx > 0, u * qx < _at(row, x), _sampled_residual(row, q)  # q(x) == 0: a void draw, skipped
-
     depth, _, _ = _tree_setup(tokens, parents, children)
-    return _sibling_walk(probs, tokens, children, depth, uniforms, min_ratio_rule)
+    return accept_sampled_reference(sampling_probs(logits, temperature, top_p), draft_probs, tokens, children, depth,
+                                    uniforms)
 
 
 def accept(
@@ -439,9 +303,6 @@ def accept(
             (logits, tokens.to(torch.int64), children.to(torch.int64), temperature, top_p,
              uniforms.to(torch.float32), draft_probs.to(torch.float32)),
         )
-
-    # The deterministic rules run as the specc ops: the Triton kernels on CUDA, these walks elsewhere.
-    from specc import kernels  # noqa: F401  (registers torch.ops.specc)
 
     depth, _, _ = _tree_setup(tokens, parents, children)
 
@@ -576,7 +437,7 @@ def reference_accept_sample(
 
 def _reference_inverse_cdf(p: Sequence[float], u: float) -> int:
     """First index whose cumulative sum of p/sum(p) exceeds u, never past the
-    last index with positive mass (as ``_inverse_cdf``)."""
+    last index with positive mass (as ``inverse_cdf_rows``)."""
     s = sum(p)
     last_nz = 0
     for i, v in enumerate(p):

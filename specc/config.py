@@ -1,0 +1,94 @@
+"""`CompileConfig`: everything `specc compile` takes, validated when it is made.
+
+The CLI builds one from its arguments, `specc.compile(model, config)` or keyword arguments build
+one, and calibration derives variants with `dataclasses.replace` (which validates again). A bad
+field raises SpeccError with one sentence that names the option and says what to use instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .backends import check_backend, check_device
+from .drafters import get_kind, kinds_with
+from .errors import SpeccError
+from .models import parse_dtype
+from .tree import Tree, chain, is_measured, parse_tree
+
+MANIFEST = "specc.json"
+CHILDREN = ("topk", "sampled")
+DRAFTER_OPTIONS = {"drafter_path": "--drafter-path", "drafter_layers": "--drafter-layers", "block_size": "--block-size"}
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    output_dir: str | Path | None = None
+    model: str | Path | None = None  # HF directory, .gguf file, or None: the embedded SmolLM2
+    drafter: str = "none"
+    tree: str | None = None  # None: the drafter kind's default
+    backend: str = "eager"
+    device: str = "cpu"
+    drafter_path: str | Path | None = None
+    drafter_layers: int | None = None
+    block_size: int | None = None
+    children: str = "topk"
+    dtype: str = "float32"
+    max_len: int = 1024
+    prefill_chunk: int = 32
+    dump_ir: str | Path | None = None
+    progress: bool = True
+    # Derived in __post_init__: the parsed tree (a stand-in chain for a measured spec) and the dtype.
+    tree_spec: str = field(init=False)
+    parsed_tree: Tree = field(init=False, repr=False, compare=False)
+    torch_dtype: torch.dtype = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if self.output_dir is None:
+            raise SpeccError("an output directory is required (-o DIR).")
+        out = Path(self.output_dir)
+        if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / MANIFEST).is_file())):
+            raise SpeccError(f"output {str(out)!r} exists and is not a specc engine directory; refusing to overwrite it.")
+        kind = get_kind(self.drafter)
+        check_backend(self.backend)
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
+        set_("device", check_device(self.device))
+        set_("torch_dtype", parse_dtype(self.dtype))
+        if self.children not in CHILDREN:
+            raise SpeccError(f"--children {self.children!r} is unknown; use topk or sampled.")
+        if self.children == "sampled" and not kind.SAMPLED_CHILDREN:
+            raise SpeccError("--children sampled draws drafts from the drafter's distribution over tokens; use it "
+                             f"with --drafter {' or '.join(sorted(kinds_with('SAMPLED_CHILDREN')))}.")
+        if not 2 <= self.max_len <= 1 << 20:
+            raise SpeccError(f"--max-len {self.max_len} is out of range; use a length from 2 to 1048576.")
+        if not 1 <= self.prefill_chunk <= 4096:
+            raise SpeccError(f"--prefill-chunk {self.prefill_chunk} is out of range; use 1 to 4096.")
+        for name, flag in DRAFTER_OPTIONS.items():
+            if getattr(self, name) is not None and name not in kind.OPTIONS:
+                raise SpeccError(f"{flag} only applies to --drafter {', '.join(kinds_with('OPTIONS', name))}.")
+        set_("tree_spec", self.tree or kind.DEFAULT_TREE)
+        set_("parsed_tree", self._check_tree(kind))
+        kind.check(self)
+
+    def _check_tree(self, kind) -> Tree:
+        spec = self.tree_spec
+        if is_measured(spec):
+            if spec.strip() != "auto":
+                parse_tree(spec, acceptance=[[1.0]])  # the form and budget; the tree itself is measured
+            if not kind.MEASURED_TREES:
+                raise SpeccError(f"--tree {spec} is built from how often a drafter's ranked candidates are "
+                                 f"accepted; use it with --drafter {', '.join(kinds_with('MEASURED_TREES'))}.")
+            return chain(1)  # replaced by the measured tree before any use
+        tree = parse_tree(spec)
+        if not kind.DRAFTS and tree.size > 1:
+            raise SpeccError(f"--tree {spec} needs a drafter to fill it; add --drafter ngram or draft-model.")
+        if kind.DRAFTS and tree.size < 2:
+            raise SpeccError(f"--tree {spec} has no draft tokens; use chain:K with K >= 1.")
+        if not kind.FILLS_TREES and not tree.is_chain:
+            raise SpeccError(f"the {self.drafter} drafter proposes a chain in this version; use --tree chain:K.")
+        return tree
+
+    @property
+    def measured_tree(self) -> bool:
+        return is_measured(self.tree_spec)

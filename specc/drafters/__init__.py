@@ -1,0 +1,52 @@
+"""Drafter kinds, registered by their CLI name. Each kind is one module of this package that
+implements the protocol below; adding a kind is one new module and one line in KINDS.
+
+Constants:
+    NAME                the CLI name
+    DEFAULT_TREE        the --tree used when none is given
+    DRAFTS              whether it proposes draft tokens at all (`none` does not)
+    FILLS_TREES         whether it fills trees (else chains only)
+    MEASURED_TREES      whether --tree sequoia:BUDGET / auto can measure its ranked candidates
+    SAMPLED_CHILDREN    whether --children sampled applies
+    OPTIONS             the CompileConfig fields of drafter options it takes (drafter_path, ...)
+
+Functions (cfg: CompileConfig; target_hf: the Hugging Face target; weights: whatever `load` returns):
+    check(cfg)                                     refusals that need no model (before any slow work)
+    load(cfg, target_hf) -> weights                the drafter for a compile (refuses one that does not fit)
+    calibration_depth(cfg, weights) -> int         the deepest comb a measured tree may use
+    entry(cfg, weights, tree) -> dict              its manifest entry ("kind" and what load_saved needs)
+    save(weights, folder, target_hf)               its files in the engine (folder: ENGINE/draft)
+    load_saved(folder, entry, target_hf, dtype) -> weights
+    taps(entry, num_layers) -> tuple[int, ...]     the target hidden states it reads (TargetModule taps)
+    module(weights, target, entry, tree, cache_len) -> nn.Module | None   what the compiler captures
+    plans(tree, chunk, cache_len, backend, sampled) -> list[GraphPlan]    its graphs (specc.plans)
+    runtime(graphs, tree, entry, chunk, device) -> RuntimeDrafter | None  its side of the host loop
+
+A RuntimeDrafter has the attributes `needs_rows` (it reads the target's taps: `add_rows(rows,
+start)`), `n_uniforms` (random numbers per proposal; > 0 when children are sampled) and `q` (the
+last proposal's q), and the methods start(prompt_ids, temperature, top_p, gen),
+propose(committed) -> (drafts, found) and accepted(committed, n_accepted).
+"""
+from __future__ import annotations
+
+from ..errors import SpeccError
+from . import dflash, draft_model, mtp, ngram, none
+
+KINDS = {kind.NAME: kind for kind in (none, ngram, draft_model, mtp, dflash)}
+PLANNED = ("dspark",)  # named in the design, not yet in engines
+
+
+def get_kind(name: str):
+    """The drafter kind registered as `name`, or one sentence saying what to use instead."""
+    if name in KINDS:
+        return KINDS[name]
+    usable = ", ".join(KINDS)
+    if name in PLANNED:
+        raise SpeccError(f"the {name} drafter is not available in engines in this version of specc; "
+                         f"use --drafter {usable}.")
+    raise SpeccError(f"--drafter {name!r} is unknown; use one of {usable}.")
+
+
+def kinds_with(attribute: str, member: str | None = None) -> list[str]:
+    """Names of the kinds whose `attribute` is true (or, with `member`, contains it): for messages."""
+    return [n for n, k in KINDS.items() if (member in getattr(k, attribute) if member else getattr(k, attribute))]

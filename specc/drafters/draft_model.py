@@ -1,0 +1,114 @@
+"""Drafter kind `draft-model`: a smaller causal LM with the target's tokenizer (`--drafter-path`),
+or the target's own first N layers (`--drafter-layers N`), decoding greedily with its own KV cache.
+Its graphs are the target's prefill and plain graphs, captured over the draft model."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import SpeccError
+from ..models import load_model
+from ..plans import GraphPlan, decode_pipeline, prefill_pipeline
+from ..prefill import prefill
+from ..target_module import TargetModule
+from ..tree import Tree, chain
+
+NAME = "draft-model"
+DEFAULT_TREE = "chain:4"
+DRAFTS = True
+FILLS_TREES = MEASURED_TREES = SAMPLED_CHILDREN = False
+OPTIONS = frozenset({"drafter_path", "drafter_layers"})
+
+
+def check(cfg) -> None:
+    pass
+
+
+def load(cfg, target_hf):
+    """The draft model's HF module (the target itself when truncating it) and its layer count."""
+    if cfg.drafter_path is None:
+        return target_hf, cfg.drafter_layers or max(1, target_hf.config.num_hidden_layers // 4), None
+    d = load_model(cfg.drafter_path, cfg.torch_dtype, with_tokenizer=False)
+    tv, dv = target_hf.lm_head.out_features, d.model.lm_head.out_features
+    if tv != dv:
+        raise SpeccError(f"the drafter's vocabulary ({dv} tokens) differs from the target's ({tv} tokens); "
+                         f"a draft model must share the target's tokenizer.")
+    return d.model, cfg.drafter_layers or d.model.config.num_hidden_layers, d.name
+
+
+def entry(cfg, weights, tree) -> dict:
+    model, layers, name = weights
+    if name is None:
+        return {"kind": NAME, "source": "target", "layers": layers}
+    return {"kind": NAME, "source": "model", "layers": layers, "name": name}
+
+
+def save(weights, folder, target_hf) -> None:
+    model, _, name = weights
+    if name is not None:  # a truncated target needs no files of its own
+        model.save_pretrained(folder)
+
+
+def load_saved(folder, entry: dict, target_hf, dtype):
+    if entry["source"] == "target":
+        return target_hf, entry["layers"], None
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval().requires_grad_(False)
+    return model, entry["layers"], entry["name"]
+
+
+def taps(entry: dict, num_layers: int) -> tuple[int, ...]:
+    return ()
+
+
+def module(weights, target: TargetModule, entry: dict, tree: Tree, cache_len: int) -> TargetModule:
+    model, layers, name = weights
+    # The target's first layers share its weights and keep caches of their own.
+    return TargetModule(model, cache_len, n_layers=layers, share=target if name is None else None)
+
+
+def plans(tree: Tree, chunk: int, cache_len: int, backend: str, sampled) -> list[GraphPlan]:
+    return [GraphPlan("draft_prefill", "draft", chunk, prefill_pipeline(chunk, cache_len, backend)),
+            GraphPlan("draft_step", "draft", 1, decode_pipeline(chain(0), cache_len, backend))]
+
+
+def runtime(graphs: dict, tree: Tree, entry: dict, chunk: int, device):
+    return DraftModelDrafter(tree, graphs["draft_prefill"], graphs["draft_step"], chunk, device)
+
+
+class DraftModelDrafter:
+    """Greedy drafts from the draft model's own graphs, one token per call."""
+
+    needs_rows, n_uniforms, q = False, 0, None  # reads no target taps; deterministic drafts
+
+    def __init__(self, tree: Tree, prefill_graph, step_graph, chunk: int, device="cpu"):
+        if not tree.is_chain:
+            raise SpeccError("the draft-model drafter proposes a chain in this version; use --tree chain:K.")
+        self.k, self.prefill_graph, self.step_graph, self.chunk = tree.size - 1, prefill_graph, step_graph, chunk
+        self.device = device
+        self.zero, self.one = torch.tensor(0.0, device=device), torch.tensor(1.0, device=device)
+        self.u1 = torch.zeros(2, device=device)
+
+    def start(self, prompt_ids: list[int], temperature, top_p, gen=None) -> None:
+        prefill(prompt_ids, self.prefill_graph, self.step_graph, self.chunk, self.zero, self.one, torch.Generator(),
+                device=self.device)
+        self.cached = len(prompt_ids)  # tokens whose K/V the drafter holds
+
+    def _next(self, token: int, pos: int) -> int:
+        _, _, out = self.step_graph(torch.tensor([token], device=self.device), torch.tensor(pos, device=self.device),
+                                    self.zero, self.one, self.u1)
+        return int(out[0])
+
+    def propose(self, committed: list[int]) -> tuple[list[int], bool]:
+        nxt = None
+        for pos in range(self.cached, len(committed)):  # catch up on tokens committed since last time
+            nxt = self._next(committed[pos], pos)
+        drafts = [nxt]
+        for i in range(self.k - 1):
+            drafts.append(self._next(drafts[-1], len(committed) + i))
+        self.pending = len(committed)
+        return drafts, True
+
+    def accepted(self, committed: list[int], n_accepted: int) -> None:
+        # Draft j (1-based) was fed for j < k, so the drafter already holds the accepted ones below k.
+        self.cached = self.pending + min(n_accepted, self.k - 1)

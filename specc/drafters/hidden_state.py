@@ -1,0 +1,95 @@
+"""What the drafter kinds that read the target's hidden states (DFlash, MTP) share: their graphs
+and their side of the host loop. Both follow DraftSignature (specc/signature.py)."""
+from __future__ import annotations
+
+import torch
+
+from ..plans import GraphPlan, start
+from ..pipeline import Pipeline
+from ..signature import DraftSignature, SampledChildren
+from ..tree import Tree
+
+
+def sampled_entry(children: str, q_rows: int, width: int) -> dict:
+    """The manifest fields for `--children`: with sampled children, the shape of q and its draws."""
+    out = {"children": children}
+    if children == "sampled":
+        out.update({"q_rows": q_rows, "width": width})
+    return out
+
+
+def plans(tree: Tree, chunk: int, backend: str) -> list[GraphPlan]:
+    # Rows of a prefill chunk and of one step (at most the tree's size are committed); then the
+    # fused step: verify + accept + the drafter's update and next drafts in one graph.
+    return [GraphPlan("draft_prefill", "draft", chunk, start(backend)),
+            GraphPlan("draft_step", "draft", tree.size, start(backend)),
+            GraphPlan("fused", "fused", tree.size, Pipeline(), fuse=("step", "draft_step"))]
+
+
+def runtime(graphs: dict, tree: Tree, entry: dict, chunk: int, device) -> "HiddenStateDrafter":
+    sampled = SampledChildren.from_entry(entry, vocab=0)  # the calling convention needs no vocabulary
+    return HiddenStateDrafter(tree, graphs["draft_prefill"], graphs["draft_step"], chunk, device,
+                              DraftSignature(sampled))
+
+
+class HiddenStateDrafter:
+    """The runtime side of drafters conditioned on the target's hidden states (DFlash, MTP).
+
+    The target's step graph returns the hidden rows the drafter needs (its taps) for the committed
+    tokens; they wait here until the next proposal flushes them through the drafter's graphs in
+    padded pieces: `prefill_graph` takes `chunk` rows (a prompt), `step_graph` the tree's size (one
+    step's commits). The last call drafts after the last committed token, whose own hidden row does
+    not exist yet: every committed token but the last has its row. The drafter's step graph fills
+    the whole tree (top-k candidates per depth, or i.i.d. draws with sampled children)."""
+
+    needs_rows = True
+
+    def __init__(self, tree: Tree, prefill_graph, step_graph, chunk: int, device, signature: DraftSignature):
+        self.k = tree.size - 1  # the step graph returns one draft per non-root node
+        self.device, self.signature = device, signature
+        # Sampled children: the graphs also take (temperature, top_p, uniforms) and return q beside
+        # the drafts; the last proposal's q is what the step graph verifies against.
+        self.n_uniforms = signature.sampled.uniforms if signature.sampled is not None else 0
+        self.q = None
+        self.chunk, self.prefill_graph = chunk, prefill_graph
+        self.step_rows, self.step_graph = tree.size, step_graph
+
+    def start(self, prompt_ids: list[int], temperature, top_p, gen=None) -> None:
+        """temperature, top_p: 0-d tensors on the engine's device; gen: the runtime's CPU generator."""
+        self.pending: list[torch.Tensor] = []  # rows not yet in the drafter's cache
+        self.pending_start = 0  # position of the first pending row
+        self.sampling = (temperature, top_p, gen)
+
+    def add_rows(self, rows: torch.Tensor, start: int) -> None:
+        """rows [n, width]: the hidden rows of committed tokens at positions start..start+n-1."""
+        if not self.pending:
+            self.pending_start = start
+        self.pending.append(rows)
+
+    def _call(self, graph, piece, m: int, pos: int, R: int, committed: list[int]):
+        dev = lambda v, **kw: torch.tensor(v, device=self.device, **kw)  # noqa: E731
+        temperature, top_p, gen = self.sampling
+        uniforms = torch.rand(self.n_uniforms, generator=gen).to(self.device) if self.n_uniforms else None
+        next_tokens = committed[pos + 1: pos + m + 1] + [0] * (R - m)  # row p pairs with the token at p + 1
+        return self.signature.unpack(graph(*self.signature.args(
+            piece, dev(next_tokens, dtype=torch.int64), dev(pos), dev(m), temperature, top_p, uniforms)))
+
+    def propose(self, committed: list[int]) -> tuple[list[int], bool]:
+        rows = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
+        start, n = self.pending_start, rows.shape[0]
+        assert start + n == len(committed) - 1, "every committed token but the last has its hidden row"
+        drafts, done = None, 0
+        while done < n:  # the last call's drafts are the ones that count
+            R, graph = ((self.step_rows, self.step_graph) if n - done <= self.step_rows
+                        else (self.chunk, self.prefill_graph))
+            piece = rows[done: done + R]
+            m = piece.shape[0]
+            if m < R:
+                piece = torch.cat((piece, piece.new_zeros(R - m, piece.shape[1])))
+            drafts, self.q = self._call(graph, piece, m, start + done, R, committed)
+            done += m
+        self.pending = []
+        return drafts[: self.k].tolist(), True
+
+    def accepted(self, committed: list[int], n_accepted: int) -> None:
+        pass

@@ -1,0 +1,163 @@
+"""The package's shape (DESIGN.md "Layout" and "Inside the package"), checked on the source itself:
+kernels/ does not shadow Hugging Face's `kernels`, no import cycles, no private names imported
+across modules, no long functions, no drafter branching outside the drafter kinds."""
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIRS = {"specc": ROOT / "specc", "specc.passes": ROOT / "passes", "specc.kernels": ROOT / "kernels"}
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the installed package, by dotted name."""
+    out = {}
+    for prefix, folder in PACKAGE_DIRS.items():
+        for f in sorted(folder.rglob("*.py")):
+            parts = list(f.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            name = ".".join([prefix, *parts])
+            if name.startswith("specc.") and name.split(".")[1] in ("passes", "kernels") and prefix == "specc":
+                continue
+            out[name] = f
+    return out
+
+
+def resolve(module: str, is_package: bool, level: int, target: str | None) -> str:
+    if level == 0:
+        return target or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+def imports(name: str, path: Path) -> list[tuple[str, list[str]]]:
+    """(imported module, names) for every import in the module, those inside functions included: a
+    cycle hidden behind a function-level import is still a cycle."""
+    out = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.Import):
+            out += [(a.name, []) for a in n.names]
+        elif isinstance(n, ast.ImportFrom):
+            mod = resolve(name, path.name == "__init__.py", n.level, n.module)
+            out.append((mod, [a.name for a in n.names]))
+    return out
+
+
+def test_repository_root_does_not_shadow_hf_kernels():
+    """From the repository root (where a top-level `kernels` folder is found on sys.path) transformers
+    still sees no hub-kernels package, and specc.kernels registers its ops once."""
+    code = ("import importlib.util, transformers, torch; "
+            "from transformers.utils.import_utils import is_kernels_available; "
+            "import specc.kernels, specc.acceptance; "
+            "assert not is_kernels_available(); "
+            "assert torch.ops.specc.tree_accept_greedy is not None; "
+            "spec = importlib.util.find_spec('kernels'); "
+            "print('shadowed' if spec is not None else 'clean')")
+    for flags in ([], ["-P"]):  # -P: the root is not put on sys.path (how the tests run)
+        proc = subprocess.run([sys.executable, *flags, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.strip() == ("clean" if flags else "shadowed")
+
+
+def test_tests_run_without_the_root_on_sys_path():
+    assert str(ROOT) not in [str(Path(p).resolve()) for p in sys.path if p]
+
+
+def test_no_import_cycles():
+    mods = modules()
+    def targets(name, path):  # `from pkg import mod` imports pkg.mod
+        for m, names in imports(name, path):
+            yield from ([f"{m}.{n}" for n in names if f"{m}.{n}" in mods] or [m])
+
+    graph = {name: sorted({m for m in targets(name, path) if m in mods and m != name}) for name, path in mods.items()}
+
+    def parents(m):  # importing a.b.c imports a and a.b first
+        parts = m.split(".")
+        return [".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in mods]
+
+    state: dict[str, int] = {}
+    cycle: list[str] = []
+
+    def visit(m, trail):
+        if state.get(m) == 1:
+            cycle.extend(trail[trail.index(m):])
+            return True
+        if state.get(m) == 2:
+            return False
+        state[m] = 1
+        for d in graph[m]:
+            if d not in parents(m) and visit(d, trail + [d]):
+                return True
+        state[m] = 2
+        return False
+
+    for m in mods:
+        if visit(m, [m]):
+            break
+    assert not cycle, " -> ".join(cycle)
+
+
+def test_no_private_names_imported_across_modules():
+    bad = []
+    for name, path in modules().items():
+        for mod, names in imports(name, path):
+            if mod.split(".")[0] in ("specc", "passes", "kernels"):
+                bad += [f"{name}: from {mod} import {n}" for n in names if n.startswith("_") and n != "__version__"]
+    assert bad == []
+
+
+def _long_functions(limit: int = 80) -> list[str]:
+    out = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                jit = any("jit" in ast.unparse(d) for d in node.decorator_list)  # Triton kernels are exempt
+                if not jit and node.end_lineno - node.lineno + 1 > limit:
+                    out.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    return out
+
+
+def test_no_function_over_80_lines():
+    assert _long_functions() == []
+
+
+def test_compile_and_load_fit_on_one_screen():
+    tree = ast.parse((ROOT / "specc" / "compiler.py").read_text())
+    sizes = {n.name: n.end_lineno - n.lineno + 1 for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert sizes["compile"] <= 80 and sizes["load"] <= 80, sizes
+
+
+@pytest.mark.parametrize("kind", ["none", "ngram", "draft-model", "mtp", "dflash"])
+def test_no_drafter_branching_outside_the_kinds(kind):
+    """A drafter's name is compared only inside its kind module (and the registry)."""
+    pattern = re.compile(r"""(==|!=|\bin\b)\s*\(?[^)\n]*["']""" + re.escape(kind) + r"""["']""")
+    hits = []
+    for name, path in modules().items():
+        if name.startswith("specc.drafters") or name in ("specc.cli", "specc.train", "specc.shipped"):
+            continue  # the kinds themselves; the CLI's and training's own choices of what to train
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line) and not line.lstrip().startswith("#"):
+                hits.append(f"{name}:{i}: {line.strip()}")
+    assert hits == []
+
+
+def test_every_kind_implements_the_protocol():
+    from specc.drafters import KINDS
+
+    constants = ("NAME", "DEFAULT_TREE", "DRAFTS", "FILLS_TREES", "MEASURED_TREES", "SAMPLED_CHILDREN", "OPTIONS")
+    functions = ("check", "load", "entry", "save", "load_saved", "taps", "module", "plans", "runtime")
+    for name, kind in KINDS.items():
+        assert kind.NAME == name
+        assert all(hasattr(kind, c) for c in constants), name
+        assert all(callable(getattr(kind, f, None)) for f in functions), name
+        if kind.MEASURED_TREES:
+            assert callable(getattr(kind, "calibration_depth", None)), name
