@@ -59,14 +59,14 @@ class CompileConfig:
             raise SpeccError(f"--children {self.children!r} is unknown; use topk or sampled.")
         if self.children == "sampled" and not kind.SAMPLED_CHILDREN:
             raise SpeccError("--children sampled draws drafts from the drafter's distribution over tokens; use it "
-                             f"with --drafter {' or '.join(sorted(kinds_with('SAMPLED_CHILDREN')))}.")
+                             f"with --drafter {kinds_with('SAMPLED_CHILDREN')}.")
         if not 2 <= self.max_len <= 1 << 20:
             raise SpeccError(f"--max-len {self.max_len} is out of range; use a length from 2 to 1048576.")
         if not 1 <= self.prefill_chunk <= 4096:
             raise SpeccError(f"--prefill-chunk {self.prefill_chunk} is out of range; use 1 to 4096.")
         for name, flag in DRAFTER_OPTIONS.items():
             if getattr(self, name) is not None and name not in kind.OPTIONS:
-                raise SpeccError(f"{flag} only applies to --drafter {', '.join(kinds_with('OPTIONS', name))}.")
+                raise SpeccError(f"{flag} only applies to --drafter {kinds_with('OPTIONS', name)}.")
         set_("tree_spec", self.tree or kind.DEFAULT_TREE)
         set_("parsed_tree", self._check_tree(kind))
         kind.check(self)
@@ -78,7 +78,7 @@ class CompileConfig:
                 parse_tree(spec, acceptance=[[1.0]])  # the form and budget; the tree itself is measured
             if not kind.MEASURED_TREES:
                 raise SpeccError(f"--tree {spec} is built from how often a drafter's ranked candidates are "
-                                 f"accepted; use it with --drafter {', '.join(kinds_with('MEASURED_TREES'))}.")
+                                 f"accepted; use it with --drafter {kinds_with('MEASURED_TREES')}.")
             return chain(1)  # replaced by the measured tree before any use
         tree = parse_tree(spec)
         if not kind.DRAFTS and tree.size > 1:

@@ -190,7 +190,7 @@ COMPILE_ERRORS = {  # id: (argv before -o, words the message must contain)
     "device-cuda-here": (lambda c: [c.model, "--device", "cuda"], ["--device cuda", "no"]),  # a CPU-only machine
     "device-unknown": (lambda c: [c.model, "--device", "tpu"], ["--device", "tpu"]),
     "children-sampled-ngram": (lambda c: [c.model, "--drafter", "ngram", "--children", "sampled"],
-                               ["--children sampled", "--drafter dflash or mtp"]),
+                               ["--children sampled", "--drafter mtp or dflash"]),
     "children-unknown": (lambda c: [c.model, "--drafter", "ngram", "--children", "random"], ["--children", "random"]),
     "max-len-0": (lambda c: [c.model, "--max-len", "0"], ["--max-len"]),
     "max-len-not-int": (lambda c: [c.model, "--max-len", "many"], ["--max-len"]),

@@ -21,7 +21,7 @@ BAD = {  # field values -> words the one-sentence message must contain
     "device": (dict(device="tpu"), ["--device", "tpu"]),
     "dtype": (dict(dtype="float7"), ["float7"]),
     "children": (dict(drafter="mtp", children="random"), ["--children", "random"]),
-    "children-ngram": (dict(drafter="ngram", children="sampled"), ["--children sampled", "dflash or mtp"]),
+    "children-ngram": (dict(drafter="ngram", children="sampled"), ["--children sampled", "mtp or dflash"]),
     "max-len": (dict(max_len=1), ["--max-len 1"]),
     "prefill-chunk": (dict(prefill_chunk=0), ["--prefill-chunk 0"]),
     "drafter-path": (dict(drafter="ngram", drafter_path="x"), ["--drafter-path only applies", "draft-model"]),
@@ -31,7 +31,7 @@ BAD = {  # field values -> words the one-sentence message must contain
     "tree-no-drafter": (dict(tree="chain:3"), ["chain:3", "drafter"]),
     "tree-no-drafts": (dict(drafter="ngram", tree="chain:0"), ["chain:0", "no draft tokens"]),
     "tree-not-chain": (dict(drafter="draft-model", tree="topk:2,2"), ["draft-model", "chain:K"]),
-    "measured-none": (dict(tree="sequoia:4"), ["sequoia:4", "--drafter ngram, mtp, dflash"]),
+    "measured-none": (dict(tree="sequoia:4"), ["sequoia:4", "--drafter ngram, mtp or dflash"]),
     "mtp-no-path": (dict(drafter="mtp", model="some/model"), ["--drafter mtp needs --drafter-path"]),
 }
 

@@ -47,6 +47,7 @@ def get_kind(name: str):
     raise SpeccError(f"--drafter {name!r} is unknown; use one of {usable}.")
 
 
-def kinds_with(attribute: str, member: str | None = None) -> list[str]:
-    """Names of the kinds whose `attribute` is true (or, with `member`, contains it): for messages."""
-    return [n for n, k in KINDS.items() if (member in getattr(k, attribute) if member else getattr(k, attribute))]
+def kinds_with(attribute: str, member: str | None = None) -> str:
+    """The kinds whose `attribute` is true (or, with `member`, contains it), as "a, b or c": for messages."""
+    names = [n for n, k in KINDS.items() if (member in getattr(k, attribute) if member else getattr(k, attribute))]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
