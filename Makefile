@@ -22,11 +22,15 @@ demo: install
 
 # The pytest entry point, not `python -m pytest`: the repository root must not be on sys.path, where
 # its kernels/ folder would pass for Hugging Face's `kernels` package (tests/test_layout.py).
+# Two workers: most tests run tiny models on one thread, so one process leaves a core idle;
+# conftest.py hands out the minute-long SmolLM2 tests first; tests/test_cli.py runs as one group (its
+# module fixture starts the jobs of all its tests at once).
+TEST_WORKERS ?= 2
 test: install
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: install
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
 
 bench: install
 	$(BIN)/python examples/bench_foundation.py

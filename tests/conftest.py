@@ -79,15 +79,21 @@ def specc_cli():
     return run_specc
 
 
+def pytest_collection_modifyitems(config, items):
+    """The SmolLM2 tests (minutes each) first: with several workers (`make test` runs two), a long
+    test started last would leave the other workers idle at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order otherwise
+
+
 @pytest.fixture(autouse=True)
-def _one_thread_for_tiny_models(request):
-    """Tiny models run fastest on one thread (two threads spin on 2 cores); SmolLM2 tests keep all."""
-    if request.node.get_closest_marker("slow"):
-        yield
-        return
+def _threads_per_test(request):
+    """Tiny models run fastest on one thread (two threads spin on 2 cores); SmolLM2 tests take this
+    worker's share of the cores."""
     import torch
 
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    share = max(1, (os.cpu_count() or 1) // workers)
     n = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(min(n, share) if request.node.get_closest_marker("slow") else 1)
     yield
     torch.set_num_threads(n)

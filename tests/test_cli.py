@@ -2,7 +2,7 @@
 
 Each CLI call pays ~2 s of imports (more to compile or load an engine), and the tests mostly
 wait on subprocesses, so every test's CLI work is declared up front as a *job* keyed by the
-test's name. A module fixture starts the jobs of the selected tests on a small thread pool at
+test's name. A session fixture starts the jobs of the selected tests on a small thread pool at
 once (the engines first, compiled once and shared); each test then checks its job's result.
 Run one test alone (`-k`) and only its jobs, and the engines they need, run.
 """
@@ -19,6 +19,8 @@ from typing import Callable
 
 import pytest
 
+# One worker runs all of this module (make test runs two): the `jobs` fixture starts every test's job at once.
+pytestmark = pytest.mark.xdist_group("cli")
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # Greedy output of the tiny model from this prompt includes ids 60-63, which have no token in the
@@ -120,11 +122,12 @@ def _(c: Ctx):
                    "-o", engine_dir(c.root, "short"))
 
 
-@pytest.fixture(scope="module")
+# Session scope: a module fixture is torn down whenever a pytest-xdist worker runs dry for a moment,
+# and would then start every job again.
+@pytest.fixture(scope="session")
 def jobs(request, tiny_model_dir, tiny_model_dir_vocab80, tmp_path_factory, specc_cli):
     """Start the jobs of this module's selected tests (and the engines they need) on a thread pool."""
-    here = request.module.__name__
-    wanted = {it.name for it in request.session.items if it.module.__name__ == here}
+    wanted = {it.name for it in request.session.items if it.module.__name__ == __name__}
     needed = set()
     for key in wanted & set(JOBS):
         needed |= {key, *JOBS[key][1]}
