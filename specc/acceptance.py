@@ -166,22 +166,16 @@ def _is_tracing(pred: Tensor) -> bool:
 
 
 def _branch(pred: Tensor, true_fn, false_fn, operands: tuple):
-    """A run-time branch in the traced graph, a plain Python branch on concrete values.
+    """``torch.cond`` when tracing, a plain Python branch on concrete values.
 
-    Under ``torch.export`` (non-strict: make_fx tracing) the ``cond`` higher-order op is traced
-    directly, both branches becoming subgraphs; ``torch.cond`` would first compile each branch with
-    dynamo, which doubles the capture time of a step graph. Under dynamo (and vmap) it is
-    ``torch.cond``. Both branches take every tensor as an operand (they close over Python constants
-    only) and return tensors of identical shapes and dtypes.
+    Under ``torch.export`` / ``torch.compile`` this is ``torch.cond`` (a real
+    run-time branch in the exported graph).  Eagerly it evaluates ``pred``
+    directly, which avoids ``torch.cond``'s per-call dynamo compilation.
+    Both branches must return tensors of identical shapes and dtypes.
     """
-    if not _is_tracing(pred):
-        return true_fn(*operands) if bool(pred) else false_fn(*operands)
-    from torch._higher_order_ops.cond import cond_op
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
-    if torch.compiler.is_dynamo_compiling() or get_proxy_mode() is None:
+    if _is_tracing(pred):
         return torch.cond(pred, true_fn, false_fn, operands)
-    return cond_op(pred, true_fn, false_fn, tuple(operands))
+    return true_fn(*operands) if bool(pred) else false_fn(*operands)
 
 
 def _top_p_filter(probs: Tensor, top_p: Tensor) -> Tensor:
