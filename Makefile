@@ -24,7 +24,7 @@ demo: install
 # its kernels/ folder would pass for Hugging Face's `kernels` package (tests/test_layout.py).
 # Two workers: most tests run tiny models on one thread, so one process leaves a core idle;
 # conftest.py hands out the minute-long SmolLM2 tests first; tests/test_cli.py runs as one group (its
-# module fixture starts the jobs of all its tests at once).
+# session fixture starts the jobs of all its tests at once).
 TEST_WORKERS ?= 2
 test: install
 	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadgroup

@@ -122,8 +122,8 @@ def _(c: Ctx):
                    "-o", engine_dir(c.root, "short"))
 
 
-# Session scope: a module fixture is torn down whenever a pytest-xdist worker runs dry for a moment,
-# and would then start every job again.
+# Session scope: started once per process whatever order a pytest-xdist worker receives this
+# module's tests in (a module fixture can be torn down and set up again between them).
 @pytest.fixture(scope="session")
 def jobs(request, tiny_model_dir, tiny_model_dir_vocab80, tmp_path_factory, specc_cli):
     """Start the jobs of this module's selected tests (and the engines they need) on a thread pool."""
