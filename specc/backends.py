@@ -1,6 +1,7 @@
 """Lowering: each finished ExportedProgram becomes a callable `graph(state, *inputs)`.
 
-* eager: the reference. The program's module runs in Python with the engine's tensors bound in.
+* eager: the reference. The program is saved (specc/saved_program.py) and its module runs in
+  Python with the engine's weights and caches bound in.
 * inductor: an AOTInductor `.pt2` package. Weights and KV caches are *inputs* of the compiled
   graph (a dict), so one set of tensors in memory serves every graph of an engine, the packages
   hold code only, and a package can be reused for any model with the same graph (the compile
@@ -20,6 +21,7 @@ from torch import nn
 from .errors import SpeccError
 from .models import cache_dir
 from .pipeline import canonical_name
+from .saved_program import load_program, save_program
 
 BACKENDS = ("eager", "inductor", "onnx", "tensorrt")
 
@@ -207,18 +209,17 @@ class InductorGraph:
 def lower_graph(backend: str, ep: torch.export.ExportedProgram, state: dict[str, torch.Tensor], folder: Path,
                 name: str, example_args: tuple, device: str) -> dict:
     """Lower one finished program into the engine directory `folder`; returns its manifest fields
-    (the file, relative to `folder`, and what loading it needs). An eager graph has no file: it is
-    captured again from the engine's modules when loaded."""
-    if backend == "eager":
-        return {"file": None}
+    (the file, relative to `folder`, and what loading it needs)."""
     (folder / "graphs").mkdir(exist_ok=True)
+    if backend == "eager":
+        return save_program(ep, state, folder, name)
     rel = f"graphs/{name}.pt2"
     keys = compile_inductor(on_device(ep, device), state, folder / rel, tuple(a.to(device) for a in example_args))
     return {"file": rel, "state_keys": keys}
 
 
-def open_graph(backend: str, folder: Path, entry: dict, state: dict[str, torch.Tensor], build, device: str):
-    """The callable for one graph of an engine: `build()` gives its program again (eager)."""
+def open_graph(backend: str, folder: Path, entry: dict, state: dict[str, torch.Tensor], device: str):
+    """The callable for one graph of an engine."""
     if backend == "eager":
-        return EagerGraph(on_device(build(), device), state)
+        return EagerGraph(on_device(load_program(folder, entry, state), device), state)
     return InductorGraph(folder / entry["file"], state, entry["state_keys"])

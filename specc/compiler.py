@@ -35,7 +35,8 @@ from .signature import SampledChildren
 from .target_module import TargetModule, module_state, sliding_window_limit
 from .tree import Tree, tree_from_paths
 
-FORMAT_VERSION = 2  # 2: one DraftSignature for DFlash and MTP graphs, drafter graphs named draft_*
+FORMAT_VERSION = 3  # 2: one DraftSignature for DFlash and MTP graphs, drafter graphs named draft_*;
+                    # 3: eager graphs saved (program JSON + safetensors), not captured again on load
 
 
 @dataclass
@@ -250,17 +251,12 @@ def load(path, check_hashes: bool = True, device: str | None = None) -> Engine:
     modules = build_modules(kind, model, kind.load_saved(path / "draft", entry, model, dtype), entry, tree, cache_len)
     plans = {p.name: p for p in graph_plans(kind, tree, chunk, cache_len, backend, modules.sampled)}
     states = move_states(modules.states(), device)
-    graphs, built = {}, {}
+    graphs = {}
     for name, g in manifest["graphs"].items():
         if name not in plans or plans[name].T != g["tokens"]:
             raise SpeccError(f"graph {name} in the manifest does not match this engine's tree and drafter; "
                              f"compile the engine again.")
-
-        def build(name=name):
-            built[name] = build_program(plans[name], modules.by_name(), built, tree)
-            return built[name]
-
-        graphs[name] = checked(open_graph(backend, path, g, states[g["module"]], build, device), name, g["inputs"])
+        graphs[name] = checked(open_graph(backend, path, g, states[g["module"]], device), name, g["inputs"])
     drafter = kind.runtime(graphs, tree, entry, chunk, device)
     return Engine(manifest, graphs, tokenizer, drafter, tree, path=path, device=device)
 

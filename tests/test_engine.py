@@ -43,12 +43,20 @@ def test_greedy_identical_to_hf(tmp_path, arch, drafter, tree):
     assert res.stats.steps == 29 if drafter == "none" else res.stats.steps <= 29
 
 
-def test_separate_draft_model(llama_dir, tmp_path):
+def test_separate_draft_model(llama_dir, tmp_path, monkeypatch):
+    """A draft model of its own; its eager engine loads its saved programs (no capture on load)."""
     root, model = llama_dir
     path = specc.compile(root / "llama", drafter="draft-model", drafter_path=root / "draft", tree="chain:4",
                          output_dir=tmp_path / "e", max_len=64, prefill_chunk=8, progress=False)
     manifest = json.loads((path / "specc.json").read_text())
     assert "draft/model.safetensors" in manifest["files"]
+    for name, g in manifest["graphs"].items():
+        assert g["file"] == f"graphs/{name}.json" and g["file"] in manifest["files"]
+
+    def no_capture(*a, **k):
+        raise AssertionError("load captured a program again")
+
+    monkeypatch.setattr(torch.export, "export", no_capture)
     res = specc.load(path).generate(PROMPT, max_new_tokens=25, stop_at_eos=False)
     assert res.token_ids == hf_greedy(model, PROMPT, 25)
 

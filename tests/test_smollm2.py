@@ -1,5 +1,9 @@
 """Integration: the embedded SmolLM2-135M-Instruct, every drafter and backend, token-identical to
 Hugging Face generate(do_sample=False) over 128 new tokens on five prompts."""
+import fcntl
+import json
+import os
+
 import pytest
 import torch
 
@@ -18,9 +22,20 @@ PROMPTS = [
 NEW = 128
 
 
-@pytest.fixture(scope="module")
-def reference():
-    """Prompt ids and HF greedy continuations, computed once."""
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """Prompt ids and HF greedy continuations, computed once per test run: the pytest-xdist workers
+    share one file (HF's 30-layer generate over five prompts costs about a minute)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "smollm2-hf-greedy.json"
+    with open(f"{shared}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not shared.is_file():
+            shared.write_text(json.dumps(hf_greedy_continuations()))
+        return [(ids, out) for ids, out in json.loads(shared.read_text())]
+
+
+def hf_greedy_continuations() -> list:
     target = load_model(None)
     tok, model = target.tokenizer, target.model
     out = []
