@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -181,14 +182,18 @@ def compile_inductor(ep: torch.export.ExportedProgram, state: dict[str, torch.Te
     keys = list(sub)
     key = cache_key(lifted_ep, sub, example_args)
     cached = cache_dir() / "aoti" / f"{key}.pt2"
-    if not cached.is_file():
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".tmp{os.getpid()}.pt2")
-        try:
-            torch._inductor.aoti_compile_and_package(lifted_ep, package_path=str(tmp))
-            tmp.replace(cached)
-        finally:
-            tmp.unlink(missing_ok=True)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    # One compile per graph at a time on this machine: a second process compiling the same graph
+    # (two engines of one model built side by side) waits for the first and takes its package.
+    with open(cached.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not cached.is_file():
+            tmp = cached.with_suffix(f".tmp{os.getpid()}.pt2")
+            try:
+                torch._inductor.aoti_compile_and_package(lifted_ep, package_path=str(tmp))
+                tmp.replace(cached)
+            finally:
+                tmp.unlink(missing_ok=True)
     shutil.copyfile(cached, out_path)
     return keys
 

@@ -151,6 +151,34 @@ def test_compile_cache_key_sees_the_tree(llama_dir):
     assert a != key([[0], [1], [1, 0]])
 
 
+def test_one_compile_per_graph_at_a_time(tmp_path, monkeypatch):
+    """While another process compiles a graph (it holds the graph's lock), a compile of the same
+    graph waits, then takes that package from the cache instead of compiling it again."""
+    import fcntl
+    import threading
+
+    from specc import backends
+
+    monkeypatch.setenv("SPECC_CACHE", str(tmp_path / "cache"))
+    lin = torch.nn.Linear(4, 4)
+    args = (torch.zeros(1, 4),)
+    ep = torch.export.export(lin, args)
+    state = {"weight": lin.weight.detach(), "bias": lin.bias.detach()}
+    compiles = []
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda *a, **k: compiles.append(1))
+    cached = tmp_path / "cache" / "aoti" / f"{backends.cache_key(*backends.lift(ep, state, args), args)}.pt2"
+    cached.parent.mkdir(parents=True)
+    with open(cached.with_suffix(".lock"), "w") as other:  # the other process's compile
+        fcntl.flock(other, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=backends.compile_inductor, args=(ep, state, tmp_path / "g.pt2", args))
+        waiter.start()
+        waiter.join(timeout=3)
+        assert waiter.is_alive() and not compiles  # waiting, not compiling
+        cached.write_bytes(b"the other process's package")
+    waiter.join()
+    assert not compiles and (tmp_path / "g.pt2").read_bytes() == b"the other process's package"
+
+
 def random_dflash(target, path, block=4, layers=1, seed=0):
     from specc.dflash import DFlashDrafter, dflash_config_for, save_dflash
 
