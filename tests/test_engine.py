@@ -63,18 +63,21 @@ def test_separate_draft_model(llama_dir, tmp_path, monkeypatch):
 
 def test_inductor_matches_eager_and_caches(llama_dir, tmp_path, monkeypatch):
     """AOTInductor engine: same tokens as HF (greedy) and as the eager engine (sampling, same seed);
-    compiling the same model again reuses the compile cache (no AOTInductor compile at all)."""
+    compiling the same model again reuses the compile cache (no AOTInductor compile at all). A
+    draft model, so that its graphs go through Inductor too (the SmolLM2 tests run it eager)."""
     root, model = llama_dir
-    kw = dict(drafter="ngram", tree="chain:3", max_len=64, prefill_chunk=8, progress=False)
+    kw = dict(drafter="draft-model", drafter_path=root / "draft", tree="chain:3", max_len=64, prefill_chunk=8,
+              progress=False)
     ind = specc.compile(root / "llama", backend="inductor", output_dir=tmp_path / "ind", **kw)
     calls = []
     real = torch._inductor.aoti_compile_and_package
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda *a, **k: calls.append(1) or real(*a, **k))
     again = specc.compile(root / "llama", backend="inductor", output_dir=tmp_path / "ind2", **kw)
     assert calls == []
-    for name in ("prefill", "plain", "step"):
+    names = ["draft_prefill", "draft_step", "plain", "prefill", "step"]
+    for name in names:
         assert (ind / "graphs" / f"{name}.pt2").read_bytes() == (again / "graphs" / f"{name}.pt2").read_bytes()
-    assert sorted(p.name for p in (ind / "graphs").iterdir()) == ["plain.pt2", "prefill.pt2", "step.pt2"]
+    assert sorted(p.name for p in (ind / "graphs").iterdir()) == [f"{n}.pt2" for n in names]
     engine = specc.load(ind)
     assert engine.generate(PROMPT, max_new_tokens=30, stop_at_eos=False).token_ids == hf_greedy(model, PROMPT, 30)
     eager = specc.load(specc.compile(root / "llama", backend="eager", output_dir=tmp_path / "eager", **kw))

@@ -24,15 +24,21 @@ NEW = 128
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """Prompt ids and HF greedy continuations, computed once per test run: the pytest-xdist workers
-    share one file (HF's 30-layer generate over five prompts costs about a minute)."""
+    """`reference()`: prompt ids and HF greedy continuations, computed once per test run and shared
+    by the pytest-xdist workers through one file. Called after a test's compile, not at setup: a
+    worker that finds another computing it (HF's 30-layer generate, a minute or more) has built its
+    engine meanwhile instead of waiting."""
     base = tmp_path_factory.getbasetemp()
     shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "smollm2-hf-greedy.json"
-    with open(f"{shared}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not shared.is_file():
-            shared.write_text(json.dumps(hf_greedy_continuations()))
-        return [(ids, out) for ids, out in json.loads(shared.read_text())]
+
+    def read():
+        with open(f"{shared}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not shared.is_file():
+                shared.write_text(json.dumps(hf_greedy_continuations()))
+            return [(ids, out) for ids, out in json.loads(shared.read_text())]
+
+    return read
 
 
 def hf_greedy_continuations() -> list:
@@ -53,29 +59,33 @@ def hf_greedy_continuations() -> list:
     return out
 
 
-def check_engine(path, reference, speculative: bool) -> None:
-    """Every reference prompt given gives HF's tokens; with a drafter, fewer verify passes than tokens."""
+def check_engine(path, reference, speculative: bool, prompts: int = len(PROMPTS), plain_too: bool = False) -> None:
+    """The first `prompts` reference prompts give HF's tokens; with a drafter, fewer verify passes
+    than tokens; `plain_too`: plain decoding through the same engine (its plain graph) as well."""
     engine = specc.load(path)
     steps = 0
-    for ids, expected in reference:
+    for ids, expected in reference[:prompts]:
         res = engine.generate(ids, max_new_tokens=NEW)
         assert res.token_ids == expected
         steps += res.stats.steps
+        if plain_too:
+            assert engine.generate(ids, max_new_tokens=NEW, speculate=False).token_ids == expected
     if speculative:  # the drafter did real work
-        assert steps < sum(len(e) for _, e in reference) - len(reference)
+        assert steps < sum(len(e) for _, e in reference[:prompts]) - prompts
 
 
-# Both backends for plain decoding; the drafters on inductor only (their eager paths are covered on
-# tiny models in test_engine.py and test_tree_engine.py), ngram on a branching tree.
-@pytest.mark.parametrize("backend,drafter,tree", [("eager", "none", None), ("inductor", "none", None),
-                                                  ("inductor", "ngram", "topk:3,2"),
-                                                  ("inductor", "draft-model", "chain:3")])
-def test_greedy_identical_to_hf(reference, tmp_path, backend, drafter, tree):
+# Plain decoding on both backends (the eager engine's plain graph; the ngram engine's on inductor,
+# with speculate=False), inductor on a branching tree. The draft model runs eager on three prompts:
+# its graphs go through Inductor on a tiny model (test_engine.py), and every 30-layer Inductor
+# graph costs minutes of this suite.
+@pytest.mark.parametrize("backend,drafter,tree,prompts", [("eager", "none", None, 5),
+                                                          ("inductor", "ngram", "topk:3,2", 5),
+                                                          ("eager", "draft-model", "chain:3", 3)])
+def test_greedy_identical_to_hf(reference, tmp_path, backend, drafter, tree, prompts):
     kw = {"drafter_layers": 6} if drafter == "draft-model" else {}
     path = specc.compile(None, drafter=drafter, tree=tree, backend=backend, output_dir=tmp_path / "engine",
                          max_len=512, progress=False, **kw)
-    check_engine(path, reference, drafter != "none")
-
+    check_engine(path, reference(), drafter != "none", prompts, plain_too=backend == "inductor")
 
 
 @pytest.mark.parametrize("drafter", ["dflash", "mtp"])
@@ -88,4 +98,4 @@ def test_shipped_drafters_greedy_identical_to_hf(reference, tmp_path, drafter):
     path = specc.compile(None, drafter=drafter, backend="eager", output_dir=tmp_path / "engine", max_len=512,
                          progress=False)
     # Three of the five prompts (code, prose, chat template): the eager drafter graphs are slow (suite time).
-    check_engine(path, reference[:3], speculative=True)
+    check_engine(path, reference(), speculative=True, prompts=3)
