@@ -17,12 +17,15 @@ Each op is a `torch.library.triton_op`: torch.export keeps it as one node (what 
 and the tests look for), while Inductor and AOTInductor trace into its body. A compiled CUDA graph
 therefore embeds the Triton kernels, and a compiled CPU graph runs the reference as native code,
 with no call back into Python per layer and step (a plain custom op would go through AOTI's proxy
-executor). The acceptance ops' CPU bodies are the vectorised walks of specc.acceptance. Triton has no CPU code generator, so the kernels are tested on
-CPU under ``TRITON_INTERPRET=1`` against the references (tests/test_kernels.py).
+executor). The acceptance ops' CPU bodies are the vectorised references in tree_accept.py (the
+rules themselves, and a plain-Python oracle, are in specc.acceptance). Triton has no CPU code
+generator, so the kernels are tested on CPU under ``TRITON_INTERPRET=1`` against the references
+(tests/test_kernels.py).
 
-The package lives inside specc/ rather than in a top-level kernels/ folder: transformers probes
-for an installed package named ``kernels``, and a top-level folder of that name shadows it
-whenever Python runs from the repository root.
+The folder is top-level (kernels/, beside passes/) and installed as specc.kernels. Run from the
+repository root, Python also finds it as a top-level ``kernels``, the name of a Hugging Face
+package that transformers probes for: imported under that name it defines nothing (below), and the
+tests run without the root on sys.path (tests/test_layout.py checks both).
 """
 from __future__ import annotations
 
