@@ -1,7 +1,10 @@
 """Check and time specc's Triton kernels on a CUDA machine (H100/H200), then time the fused decode step.
 
-    python examples/gpu_check.py [--json results.json] [--trials 20] [--layers 30] [--skip-kernels]
+    python examples/gpu_check.py [--json results.json] [--trials 20] [--layers 30] [--skip-kernels | --skip-engine]
+    python examples/gpu_check.py --env-only --json env.json                # the environment report alone
     python examples/gpu_check.py --device cpu --layers 2 --skip-kernels    # a dry run of the engine part
+
+examples/gpu_check.sh runs it section by section (setup, environment, kernels, engine).
 
 Shapes are SmolLM2-135M's: 9 query heads over 3 kv heads, head size 64, a static cache of 2048
 slots, trees of T = 1, 4, 8, 16, 32 nodes, a vocabulary of 49152. For each kernel it reports the
@@ -41,7 +44,16 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip-kernels", action="store_true")
+    ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--env-only", action="store_true", help="report the environment (as JSON with --json) and stop")
     args = ap.parse_args()
+    if args.env_only:
+        env = environment()
+        print(json.dumps(env, indent=1))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"environment": env}, f, indent=1)
+        return 0 if env["cuda_available"] and env["specc_ops"] else 1
     if args.device == "cpu":
         start = time.time()
         engine = time_engine(args)
@@ -59,7 +71,7 @@ def main() -> int:
         return 2
 
     import specc.kernels as K
-    from specc.target_module import NEG_INF
+    from specc.target_module import additive_mask
     from specc.acceptance import accept_greedy, sampling_probs, tree_depth
 
     dev = torch.device("cuda")
@@ -92,7 +104,7 @@ def main() -> int:
             table[i, :len(k)] = torch.tensor(k, dtype=torch.int64)
         return tuple(parents), table
 
-    def tree_mask(T, base, parents):
+    def tree_mask(T, base, parents, dtype):
         allowed = torch.zeros(T, S, dtype=torch.bool)
         allowed[:, :base] = True
         for i in range(T):
@@ -100,7 +112,7 @@ def main() -> int:
             while j >= 0:
                 allowed[i, base + j] = True
                 j = parents[j]
-        return torch.where(allowed, 0.0, NEG_INF).view(1, 1, T, S)
+        return additive_mask(allowed, dtype).view(1, 1, T, S)  # in the query's dtype, as engines pass it
 
     print(f"# specc kernels on {torch.cuda.get_device_name()} (torch {torch.__version__}, triton {triton.__version__})")
     g = torch.Generator().manual_seed(0)
@@ -112,7 +124,7 @@ def main() -> int:
             M = G * T
             parents, _ = random_tree(T, g)
             base = S - T - 137  # a part of the cache is still empty, as in a real step
-            mask = tree_mask(T, base, parents).repeat(1, 1, G, 1).to(dev)
+            mask = tree_mask(T, base, parents, dtype).repeat(1, 1, G, 1).to(dev)
             q = torch.randn(1, KV, M, D, generator=g).to(dev, dtype)
             k = torch.randn(1, KV, S, D, generator=g).to(dev, dtype)
             v = torch.randn(1, KV, S, D, generator=g).to(dev, dtype)
@@ -199,7 +211,7 @@ def main() -> int:
 
     engine = None
     try:
-        engine = time_engine(args)
+        engine = None if args.skip_engine else time_engine(args)
     except Exception as e:  # the kernel table above still counts; say what broke
         failed.append(f"engine: {type(e).__name__}: {e}")
     wall = time.time() - start
@@ -215,8 +227,7 @@ def main() -> int:
     if engine is not None:
         print_engine(engine, wall)
     if args.json:
-        env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "python": platform.python_version(), "wall_s": round(wall, 1)}
+        env = {**environment(), "wall_s": round(wall, 1)}
         with open(args.json, "w") as f:
             json.dump({"environment": env, "rows": rows, "engine": engine, "failed": failed}, f, indent=1)
     if wall > MAX_SECONDS:
@@ -224,6 +235,31 @@ def main() -> int:
     for f in failed:
         print(f"FAILED: {f}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def environment() -> dict:
+    """What the machine has: GPU, memory, versions, and whether specc imports and registers its ops."""
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "cuda_available": torch.cuda.is_available()}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if env["cuda_available"]:
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
+                   memory_gib=round(props.total_memory / 2**30, 1), devices=torch.cuda.device_count())
+    try:
+        import specc
+        import specc.compiler  # noqa: F401  (the whole pipeline imports)
+        import specc.kernels  # noqa: F401  (registers the ops)
+        env["specc"] = specc.__version__
+        env["specc_ops"] = all(hasattr(torch.ops.specc, op) for op in
+                               ("tree_attention", "tree_accept_greedy", "tree_accept_sample", "compact_kv_"))
+    except Exception as e:  # reported, not raised: the rest of the report still counts
+        env["specc"], env["specc_ops"] = f"import failed: {type(e).__name__}: {e}", False
+    return env
 
 
 def time_engine(args) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specc.target_module import NEG_INF
+from specc.target_module import additive_mask
 from specc.pipeline import capture
 from specc.tree import Tree
 
@@ -26,7 +26,7 @@ class TreeInputs(nn.Module):
         in_tree = (rel >= 0) & (rel < T)
         tree_ok = self.ancestors[:, rel.clamp(0, T - 1)] & in_tree.view(1, S)
         allowed = (rel < 0).view(1, S) | tree_ok
-        mask = torch.where(allowed, 0.0, NEG_INF).view(1, 1, T, S)
+        mask = additive_mask(allowed).view(1, 1, T, S)  # the target casts it to its dtype
         return self.inner(tokens.view(1, T), positions, slots, mask)
 
 

@@ -155,6 +155,14 @@ def kernel_sources() -> str:
     return "".join(p.read_text() for p in files)
 
 
+# Inductor keeps a fused bf16/fp16 chain in float32 and rounds once at the store, so a graph's
+# numerics depend on what it fused: the T-row step graph and the 1-row plain graph of one bf16
+# engine then disagree on near-ties (measured: a tiny bf16 engine's speculative greedy output left
+# its plain decoding after 22 tokens). Rounding where eager rounds makes every graph of an engine,
+# and the eager engine, compute each row alike. No effect on float32 graphs.
+INDUCTOR_CONFIGS = {"emulate_precision_casts": True}
+
+
 def cache_key(lifted_ep: torch.export.ExportedProgram, sub: dict, example_args: tuple) -> str:
     """What the compiled code depends on: graph text, shapes, dtypes, versions, and the exact bytes
     of the graph's own constants (tree masks, child tables), the kernels' source (inlined) -- not the
@@ -163,7 +171,7 @@ def cache_key(lifted_ep: torch.export.ExportedProgram, sub: dict, example_args: 
     for part in (lifted_ep.graph_module.code,
                  repr([(k, tuple(v.shape), str(v.dtype)) for k, v in sub.items()]),
                  repr([(tuple(a.shape), str(a.dtype)) for a in example_args]),
-                 torch.__version__, "specc-aoti-3", kernel_sources()):
+                 torch.__version__, "specc-aoti-3", repr(sorted(INDUCTOR_CONFIGS.items())), kernel_sources()):
         h.update(part.encode())
     for name, c in sorted(lifted_ep.constants.items()):
         h.update(name.encode())
@@ -190,7 +198,8 @@ def compile_inductor(ep: torch.export.ExportedProgram, state: dict[str, torch.Te
         if not cached.is_file():
             tmp = cached.with_suffix(f".tmp{os.getpid()}.pt2")
             try:
-                torch._inductor.aoti_compile_and_package(lifted_ep, package_path=str(tmp))
+                torch._inductor.aoti_compile_and_package(lifted_ep, package_path=str(tmp),
+                                                         inductor_configs=INDUCTOR_CONFIGS)
                 tmp.replace(cached)
             finally:
                 tmp.unlink(missing_ok=True)

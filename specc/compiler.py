@@ -284,4 +284,5 @@ def checked(graph, name: str, inputs: list):
                 raise SpeccError(f"graph {name} input {i} has shape {tuple(a.shape)} {a.dtype}, expected {shape} {dt}.")
         return graph(*args)
 
+    call.inner = graph  # the backend's callable (an EagerGraph's .module is the program, for inspection)
     return call

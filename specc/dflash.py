@@ -25,7 +25,7 @@ from torch import nn
 from .draft_tokens import draft_slots, sampled_drafts, tree_drafts
 from .errors import SpeccError
 from .signature import DraftSignature, SampledChildren
-from .target_module import NEG_INF
+from .target_module import additive_mask
 from .tree import Tree, chain
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -263,7 +263,7 @@ def block_mask(anchors, ctx_len: int, block_size: int, lengths=None) -> torch.Te
     blk_ok = row_block.view(-1, 1) == row_block.view(1, -1)
     if lengths is not None:
         blk_ok = blk_ok & ((torch.arange(nb * B) % B) < lengths[row_block]).view(1, -1)
-    return torch.where(torch.cat((ctx_ok, blk_ok), dim=1), 0.0, NEG_INF)
+    return additive_mask(torch.cat((ctx_ok, blk_ok), dim=1))
 
 
 def draft_logits(drafter: DFlashDrafter, embed: nn.Module, lm_head_weight, taps, tokens, anchors,
@@ -432,7 +432,7 @@ class DFlashStep(nn.Module):
         cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         ccos, csin = rope_tables(ctx_pos, cfg.head_dim, cfg.rope_theta, x.dtype)
         seen = torch.arange(S).view(1, S) < start
-        mask = torch.where(torch.cat((seen.expand(B, S), torch.ones(B, B, dtype=torch.bool)), dim=1), 0.0, NEG_INF)
+        mask = additive_mask(torch.cat((seen.expand(B, S), torch.ones(B, B, dtype=torch.bool)), dim=1), x.dtype)
         for i, layer in enumerate(self.drafter.layers):
             k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
             k_new, v_new = layer.self_attn.kv(ctx, ccos, csin)

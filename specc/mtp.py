@@ -57,7 +57,7 @@ from torch import nn
 from .acceptance import inverse_cdf_rows, sampling_probs
 from .draft_tokens import draft_slots, sampled_drafts, tree_drafts
 from .signature import DraftSignature, SampledChildren
-from .target_module import NEG_INF, Block
+from .target_module import Block, additive_mask
 from .errors import SpeccError
 from .tree import Tree, chain
 
@@ -375,7 +375,7 @@ class MTPStep(nn.Module):
     def _layer(self, x, pos):
         """The decoder layer over rows x [T,H] at positions pos [T], through the cache."""
         cos, sin = self.rotary_emb(x, pos.view(1, -1))
-        mask = torch.where(torch.arange(self.cache_len).view(1, -1) <= pos.view(-1, 1), 0.0, NEG_INF)
+        mask = additive_mask(torch.arange(self.cache_len).view(1, -1) <= pos.view(-1, 1), x.dtype)
         out = self.block(x.unsqueeze(0), cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype), pos,
                          mask.view(1, 1, *mask.shape))
         return out[0]

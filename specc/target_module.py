@@ -135,6 +135,7 @@ class TargetModule(nn.Module):
 
     def forward(self, tokens, positions, cache_pos, mask):
         x = self.embed_tokens(tokens)
+        mask = mask.to(x.dtype)  # once for every layer: attention takes the query's dtype
         cos, sin = self.rotary_emb(x, positions)
         cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
         tapped = {}
@@ -165,8 +166,14 @@ def sliding_window_limit(config) -> int | None:
     return int(window)
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """0 where `allowed`, a large negative elsewhere, in `dtype`: attention takes its mask in the
+    query's dtype (CUDA's memory-efficient SDPA refuses a float32 mask beside bf16 queries)."""
+    return torch.full_like(allowed, max(NEG_INF, torch.finfo(dtype).min), dtype=dtype).masked_fill(allowed, 0.0)
+
+
 def causal_mask(T: int, start: int, cache_len: int) -> torch.Tensor:
     """Additive mask [1,1,T,S] for T consecutive tokens written at start.. (a plain causal chunk)."""
     rows = torch.arange(T).unsqueeze(1) + start
     cols = torch.arange(cache_len).unsqueeze(0)
-    return torch.where(cols <= rows, 0.0, NEG_INF).view(1, 1, T, cache_len)
+    return additive_mask(cols <= rows).view(1, 1, T, cache_len)
