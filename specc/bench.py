@@ -19,20 +19,20 @@ from .data import load_prompts
 from .errors import SpeccError
 
 
-def hf_generate_timer(engine_dir: Path, dtype):
+def hf_generate_timer(engine_dir: Path, dtype, device):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(Path(engine_dir) / "target", dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(Path(engine_dir) / "target", dtype=dtype).eval().to(device)
     eos = model.config.eos_token_id
     pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) or 0
 
     def run(ids: list[int], n: int) -> tuple[list[int], float]:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=device)
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
                                  do_sample=False, pad_token_id=pad)
-        return out[0, len(ids):].tolist(), time.perf_counter() - t0
+        return out[0, len(ids):].tolist(), time.perf_counter() - t0  # tolist() waits for the device first
 
     return run
 
@@ -47,7 +47,7 @@ def summarize(name: str, runs: list[dict]) -> dict:
 
 def run_bench(engine_dir, dataset: str = "mt-bench", limit: int | None = 10, max_new_tokens: int = 128,
               baseline: str = "both", chat: bool = True, plot=None, write=None, progress: bool = True,
-              command: str = "") -> dict:
+              command: str = "", device: str | None = None) -> dict:
     from . import load
     from .models import parse_dtype
 
@@ -55,7 +55,7 @@ def run_bench(engine_dir, dataset: str = "mt-bench", limit: int | None = 10, max
         raise SpeccError("--limit must be at least 1.")
     if max_new_tokens < 1:
         raise SpeccError("--max-new-tokens must be at least 1.")
-    engine = load(engine_dir)
+    engine = load(engine_dir, device=device)
     prompts = load_prompts(dataset, limit)
     use_chat = chat and engine.tokenizer is not None and bool(getattr(engine.tokenizer, "chat_template", None))
     all_ids = [engine.encode(p, chat=use_chat) for p in prompts]
@@ -64,7 +64,7 @@ def run_bench(engine_dir, dataset: str = "mt-bench", limit: int | None = 10, max
         raise SpeccError(f"no prompt of {dataset} fits --max-len {engine.max_len} with {max_new_tokens} new tokens.")
     speculative = engine.drafter is not None
     methods = (["speculative"] if speculative else []) + (["ar"] if baseline in ("ar", "both") or not speculative else [])
-    hf = hf_generate_timer(engine_dir, parse_dtype(engine.manifest["dtype"])) if baseline in ("hf", "both") else None
+    hf = hf_generate_timer(engine_dir, parse_dtype(engine.manifest["dtype"]), engine.device) if baseline in ("hf", "both") else None
 
     # Warm-up, excluded from every figure.
     for m in methods:
@@ -106,8 +106,8 @@ def run_bench(engine_dir, dataset: str = "mt-bench", limit: int | None = 10, max
         "engine": str(engine_dir), "dataset": dataset, "prompts": len(fits), "skipped_too_long": len(all_ids) - len(fits),
         "max_new_tokens": max_new_tokens, "chat_template": use_chat, "backend": m["backend"],
         "drafter": m["drafter"], "tree": m["tree"]["spec"], "tree_nodes": len(m["tree"]["paths"]),
-        "config": engine_label(m), "model": m["target"]["name"], "device": m.get("device", "cpu"),
-        "date": benchfile.today(), "machine": benchfile.machine_text(benchfile.machine(m.get("device", "cpu"))),
+        "config": engine_label(m), "model": m["target"]["name"], "device": str(engine.device),
+        "date": benchfile.today(), "machine": benchfile.machine_text(benchfile.machine(str(engine.device))),
         "greedy_identical_to_ar": f"{identical}/{len(fits)}" if "ar" in runs and speculative else None,
         "accepted_hist": hist, "rows": rows, "command": command,
     }

@@ -267,6 +267,19 @@ def test_run_on_a_directory_that_is_not_an_engine(result):
     assert_user_error(result, "not a specc engine")
 
 
+@job("test_run_on_a_device_this_machine_lacks", "short")
+def _(c: Ctx):
+    return c.specc("run", c.engine("short"), "--prompt", "the", "--device", "cuda:7")
+
+
+def test_run_on_a_device_this_machine_lacks(result):
+    import torch
+
+    if torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    assert_user_error(result, "--device cuda:7")
+
+
 @job("test_run_prompt_longer_than_max_len", "short", slow=True)
 def _(c: Ctx):
     prompt = c.tmp / "long.txt"
@@ -341,7 +354,7 @@ def test_dump_ir_writes_one_file_per_pass_per_graph(result, jobs):
 
 @job("test_run_json", "ngram", slow=True)
 def _(c: Ctx):
-    return c.specc("run", c.engine("ngram"), "--prompt", PROMPT, "--max-new-tokens", "20", "--json")
+    return c.specc("run", c.engine("ngram"), "--prompt", PROMPT, "--max-new-tokens", "20", "--json", "--device", "cpu")
 
 
 def test_run_json(result):
@@ -422,7 +435,7 @@ def _(c: Ctx):
     data.write_text("\n".join(json.dumps({"prompt": p}) for p in BENCH_PROMPTS) + "\n")
     plot, md = c.tmp / "bench.png", c.tmp / "B.md"
     return plot, md, c.specc("bench", c.engine("ngram"), "--dataset", data, "--limit", "2", "--max-new-tokens", "8",
-                             "--baseline", "both", "--json", "--plot", plot, "--write", md)
+                             "--baseline", "both", "--json", "--plot", plot, "--write", md, "--device", "cpu")
 
 
 def test_bench(result):
@@ -435,7 +448,7 @@ def test_bench(result):
         report = json.loads(proc.stdout)
     except ValueError:
         pytest.fail(f"`specc bench --json` stdout is not one JSON object:\n{proc.stdout}")
-    assert report["prompts"] == 2 and report["max_new_tokens"] == 8
+    assert report["prompts"] == 2 and report["max_new_tokens"] == 8 and report["device"] == "cpu"
     rows = {r["method"]: r for r in report["rows"]}
     assert set(rows) == {"speculative", "ar", "hf"}
     for r in rows.values():
