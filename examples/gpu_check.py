@@ -129,7 +129,8 @@ def main() -> int:
             k = torch.randn(1, KV, S, D, generator=g).to(dev, dtype)
             v = torch.randn(1, KV, S, D, generator=g).to(dev, dtype)
             scale = D ** -0.5
-            got = ops.tree_attention(q, k, v, mask, scale)
+            kv_len = torch.tensor(base + T, device=dev)  # what the engines pass: keys past it are not read
+            got = ops.tree_attention(q, k, v, mask, scale, kv_len)
             ref = K.tree_attention_reference(q, k, v, mask, scale)
             exact = torch.softmax(q.double() @ k.double().transpose(-1, -2) * scale + mask.double(), -1) @ v.double()
             err = (got.double() - ref.double()).abs().max().item()
@@ -138,7 +139,7 @@ def main() -> int:
             ok = err <= tol and err_t <= max(tol, 2 * err_r)
             row("tree_attention", f"q[1,{KV},{M},{D}] S={S}", dtype,
                 f"max|tri-ref| {err:.1e} (vs fp64: {err_t:.1e} / {err_r:.1e})", ok,
-                lambda: ops.tree_attention(q, k, v, mask, scale),
+                lambda: ops.tree_attention(q, k, v, mask, scale, kv_len),
                 lambda: K.tree_attention_reference(q, k, v, mask, scale),
                 {"err_vs_ref": err, "err_triton_vs_fp64": err_t, "err_ref_vs_fp64": err_r})
 

@@ -7,17 +7,23 @@ every row of one kv head reads the same K/V and nothing is repeated:
     k_cache  [1, KV, S, D]
     v_cache  [1, KV, S, D]
     mask     additive float mask broadcastable to [1, 1, M, S] (0 = visible, large negative = not)
+    kv_len   optional 0-d integer tensor: the mask hides every key at or past it
     out      [1, KV, M, D]   softmax(q k^T * scale + mask) v, contiguous
 
 The reference is exactly the `F.scaled_dot_product_attention` call Block.forward makes, so a graph
 whose SDPA nodes were replaced by this op computes the same values on CPU.
 
-The Triton kernel runs one program per (kv head, block of query rows). It walks the cache in blocks
-of columns with an online softmax (running row maximum and row sum, fp32), so each K/V block is
-loaded once for all query rows of its kv head. D is padded up to a power of two (at least 16, what
-tl.dot needs) with masked loads, so any head size works. fp32 inputs use IEEE fp32 products (no
-TF32, which would change the logits); bf16/fp16 inputs use the tensor cores with fp32 accumulation,
-the probabilities being rounded to the input type before the product with V, as flash-attention
+The Triton kernel splits the work flash-decoding style: one program per (kv head, block of query
+rows, split of the key range), so that a decode step's few rows still spread over many programs.
+Each program walks its split in blocks of columns with an online softmax (running row maximum and
+row sum, fp32) and writes its partial maximum, sum and unnormalised output; `combine_splits` then
+rescales the splits to the global maximum and normalises. Given `kv_len` (the tree_attention pass
+passes 1 + the last slot the step writes, i.e. base_len + T), no program reads a key at or past
+it: a split that starts there stores an empty partial at once, so the work follows the context
+length, not the static cache length. D is padded up to a power of two (at least 16, what tl.dot
+needs) with masked loads, so any head size works. fp32 inputs use IEEE fp32 products (no TF32,
+which would change the logits); bf16/fp16 inputs use the tensor cores with fp32 accumulation, the
+probabilities being rounded to the input type before the product with V, as flash-attention
 kernels do.
 
 Fully masked rows: with this project's masks (NEG_INF = -1e9, never -inf) every row stays finite
@@ -25,6 +31,8 @@ and SDPA's value is reproduced. A row whose mask is -inf everywhere gives NaN he
 SDPA may give NaN or 0 depending on its backend; the tree masks never produce one.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -57,16 +65,24 @@ def tree_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: 
 
 if triton is not None:
     @triton.jit
-    def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, scale, M, S, D,
+    def _tree_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, len_ptr, m_out, l_out, acc_out, scale, M, S, D, CHUNK,
                                sq_h, sq_m, sq_d, sk_h, sk_s, sk_d, sv_h, sv_s, sv_d, sm_m, sm_s,
-                               so_h, so_m, so_d,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                               PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                               SPLITS: tl.constexpr, HAS_LEN: tl.constexpr, PRECISION: tl.constexpr,
+                               DOT_F32: tl.constexpr):
+        """One (kv head, block of query rows, split of the key range): the split's running maximum,
+        sum and unnormalised output, fp32, into the partial buffers [KV, M, SPLITS(, BLOCK_D)]."""
         h = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        split = tl.program_id(2)
         dims = tl.arange(0, BLOCK_D)
         row_ok = rows < M
         dim_ok = dims < D
+        hi = S
+        if HAS_LEN:  # keys at or past kv_len are masked anyway: never read them
+            hi = tl.minimum(hi, tl.load(len_ptr).to(tl.int32))
+        lo = split * CHUNK
+        hi = tl.minimum(hi, lo + CHUNK)
         # Padded rows and dims load zeros: their scores are finite and their outputs are never stored.
         q = tl.load(q_ptr + h * sq_h + rows[:, None] * sq_m + dims[None, :] * sq_d,
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
@@ -75,9 +91,9 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for start in range(0, S, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            col_ok = cols < S
+            col_ok = cols < hi
             kv_ok = col_ok[:, None] & dim_ok[None, :]
             k = tl.load(k_ptr + h * sk_h + cols[:, None] * sk_s + dims[None, :] * sk_d, mask=kv_ok, other=0.0)
             if DOT_F32:
@@ -85,7 +101,7 @@ if triton is not None:
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             bias = tl.load(mask_ptr + rows[:, None] * sm_m + cols[None, :] * sm_s,
                            mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-            # Columns past the cache take no weight at all (not merely a large negative one).
+            # Columns past the range take no weight at all (not merely a large negative one).
             s = tl.where(col_ok[None, :], s + bias.to(tl.float32), float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # While a row has seen only -inf, subtract 0 instead of -inf so exp gives 0, not NaN.
@@ -100,14 +116,30 @@ if triton is not None:
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p_in, v, input_precision=PRECISION)
             m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(out_ptr + h * so_h + rows[:, None] * so_m + dims[None, :] * so_d,
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        at = (h * M + rows) * SPLITS + split
+        tl.store(m_out + at, m_i, mask=row_ok)
+        tl.store(l_out + at, l_i, mask=row_ok)
+        tl.store(acc_out + at[:, None] * BLOCK_D + dims[None, :], acc, mask=row_ok[:, None])
+
+
+def combine_splits(m: Tensor, l: Tensor, acc: Tensor) -> Tensor:
+    """The splits' partial softmaxes [.., SPLITS], [.., SPLITS], [.., SPLITS, D] -> the attention output
+    [.., D], fp32: each split rescaled to the global row maximum (an empty split, m = -inf, weighs 0)."""
+    top = m.amax(-1, keepdim=True)
+    w = torch.exp(m - torch.where(top == float("-inf"), 0.0, top))
+    return (acc * w.unsqueeze(-1)).sum(-2) / (l * w).sum(-1, keepdim=True)
+
+
+def split_size(S: int, block_n: int) -> int:
+    """Keys per split: at least two blocks per program, and at most 32 splits, so that even one kv
+    head with one block of rows spreads over many programs (a decode step has few rows)."""
+    return max(2 * block_n, next_pow2(triton.cdiv(S, 32)))
 
 
 def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, scale: float,
-                          block_m: int | None = None, block_n: int = 64) -> Tensor:
-    """Launch the Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+                          kv_len: Tensor | None = None, block_m: int | None = None, block_n: int = 64) -> Tensor:
+    """Launch the Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), then
+    combine its splits. `kv_len` (0-d integer tensor, on the device): read only keys below it."""
     require_triton("tree_attention_triton")
     _check(q, k_cache, v_cache, mask)
     _, KV, M, D = q.shape
@@ -116,31 +148,41 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Ten
         raise ValueError(f"tree_attention: q, k_cache and v_cache must share a dtype, got "
                          f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     mask = mask.expand(1, 1, M, S)  # broadcast dims get stride 0: no copy
-    out = torch.empty((1, KV, M, D), dtype=q.dtype, device=q.device)
     if M == 0:
-        return out
+        return torch.empty((1, KV, M, D), dtype=q.dtype, device=q.device)
     # tl.dot needs every block dimension >= 16; a decode step has few rows, so stay small there.
     block_m = block_m or min(64, max(16, next_pow2(M)))
     block_d = max(16, next_pow2(D))
+    chunk = split_size(S, block_n)
+    splits = triton.cdiv(S, chunk)
+    part_m = torch.empty((KV, M, splits), dtype=torch.float32, device=q.device)
+    part_l = torch.empty((KV, M, splits), dtype=torch.float32, device=q.device)
+    part_acc = torch.empty((KV, M, splits, block_d), dtype=torch.float32, device=q.device)
     # Triton's interpreter (TRITON_INTERPRET=1, the only way to run on CPU tensors) holds bf16 as
     # uint16 bit patterns and its tl.dot multiplies the bits (triton-lang/triton#11584). There the
     # operands go to fp32 first: products of bf16 values are exact in fp32, so this is the GPU's
     # bf16 product with fp32 accumulation, up to the order of the sums.
     dot_f32 = q.dtype == torch.bfloat16 and q.device.type != "cuda"
     precision = "ieee" if q.dtype == torch.float32 or dot_f32 else "tf32"  # tf32 is ignored for 16-bit inputs
-    grid = (KV, triton.cdiv(M, block_m))
+    grid = (KV, triton.cdiv(M, block_m), splits)
     wrap_triton(_tree_attention_kernel)[grid](
-        q, k_cache, v_cache, mask, out, float(scale), M, S, D,
+        q, k_cache, v_cache, mask, kv_len if kv_len is not None else part_m, part_m, part_l, part_acc,
+        float(scale), M, S, D, chunk,
         q.stride(1), q.stride(2), q.stride(3), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(1), v_cache.stride(2), v_cache.stride(3), mask.stride(2), mask.stride(3),
-        out.stride(1), out.stride(2), out.stride(3),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PRECISION=precision, DOT_F32=dot_f32)
-    return out
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SPLITS=splits, HAS_LEN=kv_len is not None,
+        PRECISION=precision, DOT_F32=dot_f32)
+    out = combine_splits(part_m, part_l, part_acc)[..., :D]
+    return out.to(q.dtype).unsqueeze(0).contiguous()
 
 
 @torch.library.triton_op("specc::tree_attention", mutates_args=())
-def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, scale: float) -> Tensor:
+def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, scale: float,
+                   kv_len: Optional[Tensor] = None) -> Tensor:
     """Attention of the folded query rows over the static cache (see the module docstring).
+
+    `kv_len` (optional, 0-d integer tensor): the mask hides every key at or past it, so the kernel
+    reads none of them; the reference, which relies on the mask alone, ignores it.
 
     A `triton_op`: Inductor and AOTInductor trace into this body instead of calling the op through
     Python. On CUDA they embed the Triton kernel in the compiled graph; on CPU they compile the SDPA
@@ -148,5 +190,5 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, sc
     if traced(q):  # shapes are checked once when a graph is traced; eagerly this runs per layer per step
         _check(q, k_cache, v_cache, mask)
     if q.device.type == "cuda" and triton is not None:
-        return tree_attention_triton(q, k_cache, v_cache, mask, scale)
+        return tree_attention_triton(q, k_cache, v_cache, mask, scale, kv_len)
     return tree_attention_reference(q, k_cache, v_cache, mask, scale)

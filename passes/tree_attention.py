@@ -14,6 +14,15 @@ from torch.fx.operator_schemas import normalize_function
 import specc.kernels  # noqa: F401  (registers torch.ops.specc.*)
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
+CACHE_WRITES = (torch.ops.aten.index_copy_.default, torch.ops.aten.index_copy.default)
+
+
+def _written_slots(key: torch.fx.Node) -> torch.fx.Node | None:
+    """The slots a key cache was just written at (Block.forward: k_cache.index_copy_(2, cache_pos, k)),
+    or None when the key is anything else."""
+    if key.op == "call_function" and key.target in CACHE_WRITES and key.args[1] == 2:
+        return key.args[2]
+    return None
 
 
 def _fits(kw: dict) -> bool:
@@ -40,9 +49,11 @@ def tree_attention(ep: torch.export.ExportedProgram) -> torch.export.ExportedPro
     """Invariant: every `aten.scaled_dot_product_attention` node that fits the op's contract (as
     every attention of capture.Block does: batch 1, GQA folded into the query rows, a float
     additive mask, no dropout or causal flag) is replaced by `specc::tree_attention` with the same
-    q, k, v, mask and scale (SDPA's default 1/sqrt(D) made explicit). On CPU the op runs that very
-    SDPA call, so values are unchanged; nothing else in the graph changes, nor the signature.
-    Calls that do not fit are left as they are."""
+    q, k, v, mask and scale (SDPA's default 1/sqrt(D) made explicit). Where the key is a cache just
+    written at slots `cache_pos`, the op also gets kv_len = 1 + max(cache_pos): every later slot is
+    empty and masked (the step's own tree is the last thing written), so the kernel need not read
+    it. On CPU the op runs that very SDPA call, so values are unchanged; nothing else in the graph
+    changes, nor the signature. Calls that do not fit are left as they are."""
     g = ep.graph_module.graph
     for node in list(g.nodes):
         if node.op != "call_function" or node.target is not SDPA:
@@ -56,7 +67,16 @@ def tree_attention(ep: torch.export.ExportedProgram) -> torch.export.ExportedPro
         if scale is None:
             scale = 1.0 / math.sqrt(q.meta["val"].shape[-1])  # SDPA's default, computed as it does (double)
         args = (q, kw["key"], kw["value"], kw["attn_mask"], float(scale))
+        slots = _written_slots(kw["key"])
         with g.inserting_before(node):
+            if slots is not None:
+                last = g.call_function(torch.ops.aten.amax.default, (slots, [0]))
+                kv_len = g.call_function(torch.ops.aten.add.Tensor, (last, 1))
+                for n in (last, kv_len):  # the fake values that later passes and Inductor read
+                    vals = torch.fx.node.map_arg(n.args, lambda a: a.meta["val"])
+                    with torch._guards.detect_fake_mode(torch.utils._pytree.tree_leaves(vals)):
+                        n.meta["val"] = n.target(*vals)
+                args = (*args, kv_len)
             new = g.call_function(torch.ops.specc.tree_attention.default, args)
         new.meta.update(node.meta)  # keep stack trace and module path for dumps and unflattening
         vals = torch.fx.node.map_arg(args, lambda a: a.meta["val"])

@@ -138,6 +138,48 @@ def test_tree_attention_triton_matches_reference(interpreted, case):
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
 
 
+BOUNDED_CASES = [  # KV, G, T, S, D, dtype, base_len: keys at base_len + T and after are masked and never read
+    (3, 3, 1, 2048, 64, torch.float32, 0),  # the first decode step: one key of 2048
+    (3, 3, 4, 2048, 64, torch.float32, 300),  # SmolLM2's heads, 16 splits, most of them empty
+    (2, 4, 8, 1000, 32, torch.bfloat16, 517),  # a split boundary inside the tree
+    (1, 1, 16, 260, 64, torch.float16, 244),  # the tree ends at the cache's last slot
+    (4, 2, 3, 129, 80, torch.float32, 125),
+]
+
+
+@pytest.mark.parametrize("case", BOUNDED_CASES, ids=str)
+def test_tree_attention_triton_reads_no_key_past_kv_len(interpreted, case):
+    """With kv_len = base_len + T (what the pass passes), keys from kv_len on are NaN here: a kernel
+    that read one would return NaN. The reference sees the same cache with zeros there."""
+    KV, G, T, S, D, dtype, base = case
+    g = gen(S + T + base)
+    q = torch.randn(1, KV, G * T, D, generator=g).to(dtype)
+    k, v = (torch.randn(1, KV, S, D, generator=g).to(dtype) for _ in range(2))
+    mask = tree_mask(T, S, base, g).repeat(1, 1, G, 1).to(dtype)
+    k[:, :, base + T:], v[:, :, base + T:] = 0.0, 0.0
+    want = K.tree_attention_reference(q, k, v, mask, D ** -0.5)
+    k[:, :, base + T:], v[:, :, base + T:] = float("nan"), float("nan")
+    got = K.tree_attention_triton(q, k, v, mask, D ** -0.5, torch.tensor(base + T))
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    if base + T < S:  # unbounded, it reads them
+        assert K.tree_attention_triton(q, k, v, mask, D ** -0.5).isnan().any()
+
+
+def test_combine_splits_equals_one_softmax():
+    """Splitting the key range and combining the partials is the softmax over the whole range."""
+    g = gen(7)
+    scores, values = torch.randn(5, 300, generator=g) * 4, torch.randn(300, 8, generator=g)
+    parts = []
+    for lo in range(0, 300, 64):
+        s = scores[:, lo:lo + 64]
+        m = s.amax(-1)
+        p = torch.exp(s - m[:, None])
+        parts.append((m, p.sum(-1), p @ values[lo:lo + 64]))
+    parts.append((torch.full((5,), float("-inf")), torch.zeros(5), torch.zeros(5, 8)))  # an empty split
+    m, l, acc = (torch.stack(x, dim=1) for x in zip(*parts))
+    torch.testing.assert_close(attention_mod.combine_splits(m, l, acc), torch.softmax(scores, -1) @ values, atol=1e-5, rtol=1e-5)
+
+
 def test_tree_attention_reference_is_block_sdpa():
     """The reference is Block.forward's call: the same bits as SDPA on the folded rows, and the same
     values as plain attention per query head over K/V repeated per group."""
@@ -448,6 +490,13 @@ def test_tree_attention_pass_replaces_sdpa_and_keeps_values(arch, heads, kv):
     assert count(after, lambda t: t is SDPA) == 0
     assert count(after, lambda t: t is ops.tree_attention.default) == n_layers
     assert after.graph_signature.user_inputs == before.graph_signature.user_inputs
+    # Each op reads keys below 1 + the last slot the call writes (here 3 + T), never the whole cache.
+    for node in after.graph.nodes:
+        if node.op == "call_function" and node.target is ops.tree_attention.default:
+            kv_len = node.args[5]
+            assert kv_len.target is torch.ops.aten.add.Tensor and kv_len.args[1] == 1
+            assert kv_len.args[0].target is torch.ops.aten.amax.default
+            assert kv_len.args[0].args[0].name == "cache_pos"
     a, b = before.module(), after.module()
     for call in range(2):  # twice: the second call attends over the first call's cache writes
         x = tuple(t.clone() for t in args)
