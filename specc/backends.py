@@ -199,7 +199,7 @@ def compile_inductor(ep: torch.export.ExportedProgram, state: dict[str, torch.Te
             tmp = cached.with_suffix(f".tmp{os.getpid()}.pt2")
             try:
                 torch._inductor.aoti_compile_and_package(lifted_ep, package_path=str(tmp),
-                                                         inductor_configs=INDUCTOR_CONFIGS)
+                                                         inductor_configs=dict(INDUCTOR_CONFIGS))  # torch adds to it
                 tmp.replace(cached)
             finally:
                 tmp.unlink(missing_ok=True)
