@@ -41,8 +41,15 @@ def drafter_args(kind: str, model, tmp_path) -> dict:
     return dict(tree="chain:3")
 
 
-@pytest.mark.parametrize("kind,backend", [("ngram", "eager"), ("mtp", "eager"), ("dflash", "eager"),
-                                          ("ngram", "inductor")])
+# torch < 2.13's C++ code generator ignores emulate_precision_casts (its Triton one, the GPU's, does
+# not), so a CPU inductor bf16 engine's graphs round differently there.
+OLD_CPU_INDUCTOR = tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13)
+
+
+@pytest.mark.parametrize("kind,backend", [
+    ("ngram", "eager"), ("mtp", "eager"), ("dflash", "eager"),
+    pytest.param("ngram", "inductor", marks=pytest.mark.xfail(OLD_CPU_INDUCTOR, strict=True, reason=(
+        "torch < 2.13 on CPU: Inductor's C++ code ignores emulate_precision_casts")))])
 def test_bf16_engine(tmp_path, kind, backend):
     model = tiny_model("llama", vocab=64, layers=1 if kind == "mtp" else 2, seed=3)  # MTP "copy" heads imitate one layer
     model.save_pretrained(tmp_path / "m")
