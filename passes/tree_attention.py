@@ -55,6 +55,7 @@ def tree_attention(ep: torch.export.ExportedProgram) -> torch.export.ExportedPro
     it. On CPU the op runs that very SDPA call, so values are unchanged; nothing else in the graph
     changes, nor the signature. Calls that do not fit are left as they are."""
     g = ep.graph_module.graph
+    bounds: dict[torch.fx.Node, torch.fx.Node] = {}  # slots -> kv_len: computed once, before the first layer
     for node in list(g.nodes):
         if node.op != "call_function" or node.target is not SDPA:
             continue
@@ -69,14 +70,15 @@ def tree_attention(ep: torch.export.ExportedProgram) -> torch.export.ExportedPro
         args = (q, kw["key"], kw["value"], kw["attn_mask"], float(scale))
         slots = _written_slots(kw["key"])
         with g.inserting_before(node):
-            if slots is not None:
+            if slots is not None and slots not in bounds:
                 last = g.call_function(torch.ops.aten.amax.default, (slots, [0]))
-                kv_len = g.call_function(torch.ops.aten.add.Tensor, (last, 1))
-                for n in (last, kv_len):  # the fake values that later passes and Inductor read
+                bounds[slots] = g.call_function(torch.ops.aten.add.Tensor, (last, 1))
+                for n in (last, bounds[slots]):  # the fake values that later passes and Inductor read
                     vals = torch.fx.node.map_arg(n.args, lambda a: a.meta["val"])
                     with torch._guards.detect_fake_mode(torch.utils._pytree.tree_leaves(vals)):
                         n.meta["val"] = n.target(*vals)
-                args = (*args, kv_len)
+            if slots is not None:
+                args = (*args, bounds[slots])
             new = g.call_function(torch.ops.specc.tree_attention.default, args)
         new.meta.update(node.meta)  # keep stack trace and module path for dumps and unflattening
         vals = torch.fx.node.map_arg(args, lambda a: a.meta["val"])

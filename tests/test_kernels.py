@@ -499,13 +499,11 @@ def test_tree_attention_pass_replaces_sdpa_and_keeps_values(arch, heads, kv):
     assert count(after, lambda t: t is SDPA) == 0
     assert count(after, lambda t: t is ops.tree_attention.default) == n_layers
     assert after.graph_signature.user_inputs == before.graph_signature.user_inputs
-    # Each op reads keys below 1 + the last slot the call writes (here 3 + T), never the whole cache.
-    for node in after.graph.nodes:
-        if node.op == "call_function" and node.target is ops.tree_attention.default:
-            kv_len = node.args[5]
-            assert kv_len.target is torch.ops.aten.add.Tensor and kv_len.args[1] == 1
-            assert kv_len.args[0].target is torch.ops.aten.amax.default
-            assert kv_len.args[0].args[0].name == "cache_pos"
+    # Each op reads keys below 1 + the last slot the call writes (here 3 + T), never the whole cache;
+    # one kv_len serves every layer.
+    (kv_len,) = {n.args[5] for n in after.graph.nodes if n.op == "call_function" and n.target is ops.tree_attention.default}
+    assert kv_len.target is torch.ops.aten.add.Tensor and kv_len.args[1] == 1
+    assert kv_len.args[0].target is torch.ops.aten.amax.default and kv_len.args[0].args[0].name == "cache_pos"
     a, b = before.module(), after.module()
     for call in range(2):  # twice: the second call attends over the first call's cache writes
         x = tuple(t.clone() for t in args)
