@@ -9,12 +9,15 @@
 #            a plain install into OUT_DIR/site, put on PYTHONPATH            -> setup.log
 #   env      GPU, driver, memory, torch / triton / python versions, specc imports -> env.json
 #   kernels  every specc kernel against its reference on CUDA, bf16 and fp32 -> kernels.json
+#   curve    the cost curve c(T) = t(T) / t(1), T = 1..32, of specc's target module replayed as
+#            CUDA graphs at SmolLM2's and Qwen3-8B's layer shapes, per-layer cost, and the
+#            memory floor from the measured copy bandwidth (examples/gpu_cost_curve.py) -> curve.json
 #   engine   SmolLM2's shapes with random weights, bf16, inductor: plain, unfused and fused
 #            decode ms per step                                               -> engine.json
 #
 # OUT_DIR/sections.json says, per section, its exit status and seconds; the script exits 1 if any
-# section failed. Not yet here (issue 12): Qwen3-8B layer shapes, the cost curve c(T), CUDA graphs
-# on and off, launches and syncs per step from the profiler, the memory floor.
+# section failed. Not yet here (issue 12): specc's own engines under CUDA graphs, and launches and
+# syncs per step from the profiler.
 set -u
 OUT=${1:?usage: examples/gpu_check.sh OUT_DIR}
 mkdir -p "$OUT"
@@ -63,6 +66,7 @@ section setup 120 bash -c install_specc  # timeout runs programs, not shell func
 [ -d "$OUT/site" ] && export PYTHONPATH="$OUT/site${PYTHONPATH:+:$PYTHONPATH}"
 section env 60 $PY examples/gpu_check.py --env-only --json "$OUT/env.json"
 section kernels 150 $PY examples/gpu_check.py --skip-engine --json "$OUT/kernels.json"
+section curve 120 $PY examples/gpu_cost_curve.py --json "$OUT/curve.json"
 section engine 300 $PY examples/gpu_check.py --skip-kernels --json "$OUT/engine.json"
 
 $PY - "$OUT" <<'EOF'

@@ -1,0 +1,42 @@
+"""The device check's scripts run here as far as a CPU allows (the GPU machine gives 15 minutes in
+all: a script that breaks there on a renamed function wastes them): the environment report and
+the cost curve's dry run."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from conftest import cli_env
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def run(script: str, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-P", str(EXAMPLES / script), *map(str, args)], env=cli_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_environment_report(tmp_path):
+    proc = run("gpu_check.py", "--env-only", "--json", tmp_path / "env.json")
+    env = json.loads((tmp_path / "env.json").read_text())["environment"]
+    assert env["torch"] == torch.__version__ and env["specc_ops"] is True
+    assert env["cuda_available"] == torch.cuda.is_available()
+    assert proc.returncode == (0 if torch.cuda.is_available() else 1), proc.stderr  # no GPU: the report says so
+
+
+def test_cost_curve_dry_run(tmp_path):
+    proc = run("gpu_cost_curve.py", "--device", "cpu", "--shapes", "smollm2", "--layers", "1", "--Ts", "1,3",
+               "--context", "16", "--reps", "2", "--json", tmp_path / "curve.json")
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads((tmp_path / "curve.json").read_text())["shapes"]["smollm2"]
+    assert row["layers_built"] == 1 and row["layers_full"] == 30
+    assert row["c"]["1"] == 1.0 and row["c"]["3"] > 0 and row["ms"]["3"] > 0
+    assert row["ms_per_layer_upper"]["1"] == row["ms"]["1"]  # one layer built
+    assert "c(T) = 1.000" in proc.stdout
+    if not torch.cuda.is_available():  # the real run refuses in one sentence
+        proc = run("gpu_cost_curve.py")
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "CUDA" in proc.stderr
