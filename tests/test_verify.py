@@ -124,10 +124,10 @@ def test_sampling_probs_matches_reference(seed, v, temperature, top_p):
     for r in range(flat_l.shape[0]):
         ref = reference_sampling_probs(flat_l[r].tolist(), temperature, top_p)
         np.testing.assert_allclose(flat_g[r].numpy(), ref, rtol=1e-5, atol=1e-6)
-        # the support is decided identically (no boundary case with random data;
-        # float32 may underflow values the float64 reference keeps below 1e-30)
+        # the support is decided identically (no boundary case with random data); below
+        # 1e-30 float32 may underflow to 0 or keep a denormal (seed 6902, T = 1e-7: 1.04e-39)
         for g, f in zip(flat_g[r].tolist(), ref):
-            assert (g > 0) == (f > 1e-30) or (g == 0 and 0 < f <= 1e-30)
+            assert g > 0 if f > 1e-30 else g <= 1e-30, (g, f)
 
 
 def test_sampling_probs_top_p_edges():
