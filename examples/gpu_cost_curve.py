@@ -148,7 +148,6 @@ def main() -> int:
             print(f"  T={T:<3} {ms[T]:9.3f} ms   c(T) = {row['c'][T]:.3f}")
         if floor_ms:
             print(f"  memory floor {floor_ms:.3f} ms at {bandwidth / 1e12:.2f} TB/s; plain is {row['plain_vs_floor']}x it")
-        del module
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

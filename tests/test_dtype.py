@@ -68,7 +68,6 @@ def test_bf16_engine(tmp_path, kind, backend):
         plain = engine.generate(prompt, max_new_tokens=24, stop_at_eos=False, speculate=False)
         assert spec.token_ids == plain.token_ids
         steps.append(spec.stats.steps)
-    print(kind, backend, steps)
     assert sum(steps) < 2 * 23  # drafts were accepted
     sampled = engine.generate(PROMPT, max_new_tokens=24, stop_at_eos=False, temperature=0.8, top_p=0.9, seed=1)
     assert len(sampled.token_ids) == 24
