@@ -49,7 +49,8 @@ def main() -> int:
     for kind, block, tree in configs:
         name = f"{kind}{f'-b{block}' if block else ''}-{tree.replace(':', '')}"
         path = specc.compile(None, drafter=kind, drafter_path=paths[kind], block_size=block, tree=tree,
-                             backend="inductor", output_dir=f"{a.engines}/{name}", max_len=1024, progress=not a.json)
+                             backend="inductor", output_dir=f"{a.engines}/{name}", max_len=1024, progress=not a.json,
+                             modes="greedy")
         engines.append(path)
 
     lines, figures = [], []

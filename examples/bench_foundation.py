@@ -38,7 +38,8 @@ def main() -> int:
         if name not in a.drafters.split(","):
             continue
         path = specc.compile(None, drafter=drafter, tree=tree, backend="inductor",
-                             output_dir=f"{a.engines}/{name}", max_len=1024, progress=not a.json, **extra)
+                             output_dir=f"{a.engines}/{name}", max_len=1024, progress=not a.json, modes="greedy",
+                             **extra)
         for ds in a.datasets.split(","):
             rep = run_bench(path, dataset=ds, limit=a.limit, max_new_tokens=a.max_new_tokens, baseline="both",
                             plot=f"{a.engines}/{name}-{ds}.png", command=cmd, progress=not a.json)

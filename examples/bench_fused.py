@@ -50,16 +50,16 @@ def step_calls(engine, ids: list[int], calls: int) -> tuple[float, float]:
     graphs, drafter, T = engine.graphs, engine.drafter, engine.tree.size
     base = len(ids)
     tokens = torch.tensor([ids[-1]] * T)
-    args = lambda: (tokens, torch.tensor(base), torch.tensor(0.0), torch.tensor(1.0), torch.rand(T + 1))  # noqa: E731
+    args = lambda: (tokens, torch.tensor(base))  # noqa: E731  (greedy graphs: no sampling inputs)
 
     def fused():
-        n, path, out, drafts = graphs["fused"](*args())
+        n, path, out, drafts = graphs["fused_greedy"](*args())
         return int(n), drafts.tolist()
 
     def unfused():
-        n, path, out, *taps = graphs["step"](*args())
+        n, path, out, *taps = graphs["step_greedy"](*args())
         n = int(n)
-        drafter.start(ids, 0.0, 1.0)  # nothing pending: this step's rows are the ones to flush
+        drafter.start(ids, "greedy", 0.0, 1.0)  # nothing pending: this step's rows are the ones to flush
         drafter.add_rows(tap_rows(taps, path[: n + 1]), base)
         return drafter.propose(ids + [ids[-1]] * (n + 2))  # a row for every committed token but the last
 
@@ -91,7 +91,8 @@ def main() -> int:
     for item in a.configs.split(","):
         kind, _, tree = item.partition("=")
         path = specc.compile(None, drafter=kind, tree=tree, backend="inductor", progress=not a.json,
-                             output_dir=f"{a.engines}/{kind}-{tree.replace(':', '').replace(',', '-')}", max_len=1024)
+                             output_dir=f"{a.engines}/{kind}-{tree.replace(':', '').replace(',', '-')}", max_len=1024,
+                             modes="greedy")
         engine = specc.load(path)
         ids = [engine.encode(p, chat=True) for p in prompts]
 

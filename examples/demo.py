@@ -86,7 +86,7 @@ def main() -> int:
 
     t0 = time.perf_counter()
     path = specc.compile(None, drafter=a.drafter, tree=tree, backend="inductor", output_dir=a.output, max_len=1024,
-                         block_size=block)
+                         block_size=block, modes="greedy")  # the demo decodes greedily
     print(f"compiled in {time.perf_counter() - t0:.0f} s -> {path}", file=sys.stderr)
     engine = specc.load(path)
     if chosen:  # the label (a DFlash block, say) is known once the engine is built

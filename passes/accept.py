@@ -11,30 +11,34 @@ from specc.tree import Tree
 
 
 class Accept(nn.Module):
-    def __init__(self, inner: nn.Module, tree: Tree, sampled: SampledChildren | None = None):
+    def __init__(self, inner: nn.Module, tree: Tree, sampled: SampledChildren | None = None, mode: str = "greedy"):
         super().__init__()
         self.inner = inner
         self.parents = tree.parents
-        self.signature = StepSignature(tree.size, sampled)
+        self.signature = StepSignature(tree.size, sampled, mode=mode)
+        sampled = self.signature.sampled  # None in greedy mode
         self.register_buffer("child_table", tree.child_table(), persistent=False)
         if sampled is not None:  # node i's children were drawn from q[depth i] (a leaf's row is never read)
             rows = [min(d, sampled.q_rows - 1) for d in tree.depths]
             self.register_buffer("q_row", torch.tensor(rows, dtype=torch.int64), persistent=False)
 
-    def forward(self, tokens, base_len, temperature, top_p, uniforms, draft_q=None):
+    def forward(self, tokens, base_len, *rest):  # rest: the mode's sampling inputs (+ draft_q)
+        sampling, draft_q, _ = self.signature.parse(rest)
         logits, *taps = self.inner(tokens, base_len)
         draft_probs = draft_q.index_select(0, self.q_row) if draft_q is not None else None
-        n, path, out = accept_tree(logits[0], tokens, self.parents, self.child_table, temperature, top_p, uniforms,
-                                   draft_probs)
+        n, path, out = accept_tree(logits[0], tokens, self.parents, self.child_table, sampling.temperature,
+                                   sampling.top_p, sampling.uniforms, draft_probs, mode=sampling.mode)
         return self.signature.outputs(n, path, out, taps)
 
 
-def accept(ep: torch.export.ExportedProgram, tree: Tree,
-           sampled: SampledChildren | None = None) -> torch.export.ExportedProgram:
+def accept(ep: torch.export.ExportedProgram, tree: Tree, sampled: SampledChildren | None = None,
+           mode: str = "greedy") -> torch.export.ExportedProgram:
     """Invariant: the program has the StepSignature of `tree` (unfused): outputs are (n_accepted [],
     path [D+1], out_tokens [D+1], *taps): the accepted draft nodes from the root, and the accepted
-    tokens followed by the bonus token, chosen by greedy argmax (temperature <= 0) or exact tree
-    rejection sampling with the given uniforms [T+1]. The logits never leave the graph. With
-    `sampled` children the graph takes draft_q [q_rows, vocab] too: row d is the distribution the
-    children at depth d+1 were drawn from, and sampling uses the min(1, p/q) rule with residuals."""
-    return capture(Accept(ep.module(), tree, sampled), StepSignature(tree.size, sampled).example_inputs())
+    tokens followed by the bonus token, chosen by greedy argmax (mode greedy: no sampling inputs,
+    no sampling code) or exact tree rejection sampling with the given uniforms [T+1] (modes sample
+    and top_p). The logits never leave the graph. With `sampled` children a sampling graph takes
+    draft_q [q_rows, vocab] too: row d is the distribution the children at depth d+1 were drawn
+    from, and sampling uses the min(1, p/q) rule with residuals."""
+    module = Accept(ep.module(), tree, sampled, mode)
+    return capture(module, module.signature.example_inputs())

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from specc.pipeline import capture
-from specc.signature import DraftSignature, SampledChildren, StepSignature
+from specc.signature import DraftSignature, StepSignature
 from specc.tree import Tree
 
 
@@ -22,12 +22,14 @@ class FusedStep(nn.Module):
         # `inner` keeps the target's tensor names canonical (see pipeline.canonical_name); the
         # drafter's tensors are named "draft.<its own name>".
         self.inner, self.draft, self.T = verify_step, draft_step, tree.size
-        self.verify_signature = StepSignature(tree.size, draft.sampled)
-        self.signature = StepSignature(tree.size, draft.sampled, fused=True)
+        self.verify_signature = StepSignature(tree.size, draft.sampled, mode=draft.mode)
+        self.signature = StepSignature(tree.size, draft.sampled, fused=True, mode=draft.mode)
         self.draft_signature = draft
 
-    def forward(self, tokens, base_len, temperature, top_p, uniforms, draft_q=None, draft_uniforms=None):
+    def forward(self, tokens, base_len, *rest):  # rest: the mode's sampling inputs (+ draft_q, draft_uniforms)
         # Sampled children: this tree's q goes to the verifier; the next tree is drawn with draft_uniforms.
+        s, draft_q, draft_uniforms = self.signature.parse(rest)
+        temperature, top_p, uniforms = s.temperature, s.top_p, s.uniforms
         step = self.verify_signature.unpack(self.inner(*self.verify_signature.args(
             tokens, base_len, temperature, top_p, uniforms, draft_q)))
         n, path, out = step.n, step.path, step.out
@@ -46,8 +48,8 @@ class FusedStep(nn.Module):
 
 def fuse_step(verify_ep: torch.export.ExportedProgram, draft_ep: torch.export.ExportedProgram, tree: Tree,
               draft: DraftSignature) -> torch.export.ExportedProgram:
-    """Invariant: the program has the fused StepSignature: the target step's inputs (plus
-    draft_uniforms with sampled children), outputs (n_accepted, path [D+1], out_tokens [D+1],
+    """Invariant: the program has the fused StepSignature of `draft.mode`: the target step's inputs
+    (plus draft_uniforms with sampled children in a sampling mode), outputs (n_accepted, path [D+1], out_tokens [D+1],
     next_drafts [T-1] (+ next_q)); the target's KV cache ends as after the unfused step, and the
     drafter's cache and next drafts are exactly what its step graph (DraftSignature, T rows) gives
     for the accepted rows (ctx_start = base_len, n_ctx = n + 1)."""

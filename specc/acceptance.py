@@ -144,40 +144,6 @@ def tree_depth(parents: Sequence[int]) -> int:
 # ---------------------------------------------------------------------------
 
 
-def _is_tracing(pred: Tensor) -> bool:
-    """True when ``pred`` has no concrete value (export / compile / fx tracing)."""
-    if torch.compiler.is_compiling():
-        return True
-    try:
-        from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
-        if get_proxy_mode() is not None:
-            return True
-    except ImportError:  # pragma: no cover - very old torch
-        pass
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    if isinstance(pred, FakeTensor):
-        return True
-    try:  # a vmap-batched predicate has no single value either
-        return bool(torch._C._functorch.is_batchedtensor(pred))
-    except AttributeError:  # pragma: no cover
-        return False
-
-
-def _branch(pred: Tensor, true_fn, false_fn, operands: tuple):
-    """``torch.cond`` when tracing, a plain Python branch on concrete values.
-
-    Under ``torch.export`` / ``torch.compile`` this is ``torch.cond`` (a real
-    run-time branch in the exported graph).  Eagerly it evaluates ``pred``
-    directly, which avoids ``torch.cond``'s per-call dynamo compilation.
-    Both branches must return tensors of identical shapes and dtypes.
-    """
-    if _is_tracing(pred):
-        return torch.cond(pred, true_fn, false_fn, operands)
-    return true_fn(*operands) if bool(pred) else false_fn(*operands)
-
-
 def _top_p_filter(probs: Tensor, top_p: Tensor) -> Tensor:
     """Keep the smallest highest-probability set whose mass is >= top_p."""
     sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
@@ -185,29 +151,25 @@ def _top_p_filter(probs: Tensor, top_p: Tensor) -> Tensor:
     # exclusive cumulative sum: mass strictly before each sorted position
     excl = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], dim=-1)
     first = torch.arange(excl.shape[-1], device=excl.device) == 0
-    keep_sorted = (excl < top_p) | first
+    keep_sorted = (excl < top_p) | first | (top_p >= 1.0)  # exact at top_p >= 1: rounding drops no tail
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     kept = torch.where(keep, probs, torch.zeros_like(probs))
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def sampling_probs(logits: Tensor, temperature: Tensor, top_p: Tensor) -> Tensor:
+def sampling_probs(logits: Tensor, temperature: Tensor, top_p: Tensor | None = None) -> Tensor:
     """Target sampling distribution: softmax(logits / T) then top-p, float32.
 
-    ``temperature`` and ``top_p`` are 0-d tensors.  Assumes temperature > 0
-    (it is clamped to >= 1e-5).  ``top_p >= 1`` keeps every token; the sort
-    needed by top-p is then skipped at run time (``torch.cond``).
+    ``temperature`` is a 0-d tensor; assumes temperature > 0 (it is clamped to >= 1e-5).
+    ``top_p=None`` applies no filter (the `sample` mode's graphs); a 0-d tensor always runs the
+    filter, which keeps every token at ``top_p >= 1`` (the `top_p` mode's graphs).
     """
     temperature = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
-    top_p = torch.as_tensor(top_p, dtype=torch.float32, device=logits.device)
     t = torch.clamp(temperature, min=_MIN_TEMPERATURE)
     probs = torch.softmax(logits.to(torch.float32) / t, dim=-1)
-    return _branch(
-        top_p < 1.0,
-        lambda p, tp: _top_p_filter(p, tp),
-        lambda p, tp: p.clone(),
-        (probs, top_p),
-    )
+    if top_p is None:
+        return probs
+    return _top_p_filter(probs, torch.as_tensor(top_p, dtype=torch.float32, device=logits.device))
 
 
 def _tree_setup(tokens: Tensor, parents: Sequence[int], children: Tensor):
@@ -271,54 +233,34 @@ def accept(
     tokens: Tensor,
     parents: Sequence[int],
     children: Tensor,
-    temperature: Tensor,
-    top_p: Tensor,
-    uniforms: Tensor,
+    temperature: Tensor | None,
+    top_p: Tensor | None,
+    uniforms: Tensor | None,
     draft_probs: Tensor | None = None,
+    mode: str | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Greedy when ``temperature <= 0``, else lossless sampling (torch.cond).
+    """Greedy, sampling, or sampling with top-p: `mode` (specc.signature.MODES), a static choice.
 
-    ``draft_probs=None``: children are deterministic drafts (one-hot ``q``,
-    :func:`accept_sample`).  Given (``[T, V]``), children were sampled
-    i.i.d. from ``draft_probs[parent]`` and :func:`accept_sample_sampled`
-    verifies them at temperature > 0; greedy is unchanged.
+    A graph passes its mode; eager callers may leave it None to take it from the concrete
+    ``temperature`` and ``top_p`` (greedy at temperature <= 0). Greedy reads neither them nor
+    the uniforms, and `sample` ignores ``top_p``. ``draft_probs=None``: children are
+    deterministic drafts (one-hot ``q``, :func:`accept_sample`). Given (``[T, V]``), children
+    were sampled i.i.d. from ``draft_probs[parent]`` and :func:`accept_sample_sampled` verifies
+    them when sampling; greedy is unchanged.
     """
-    device = logits.device
-    temperature = torch.as_tensor(temperature, dtype=torch.float32, device=device)
-    top_p = torch.as_tensor(top_p, dtype=torch.float32, device=device)
+    from .signature import check_mode, mode_of
+
+    mode = check_mode(mode) if mode is not None else mode_of(float(temperature), float(top_p))
     parents = tuple(int(p) for p in parents)
-
-    if draft_probs is not None:
-
-        def _sample_q(lg, tk, ch, t, tp, u, q):
-            return accept_sample_sampled(lg, tk, parents, ch, q, t, tp, u)
-
-        def _greedy_q(lg, tk, ch, t, tp, u, q):
-            return accept_greedy(lg, tk, parents, ch)
-
-        return _branch(
-            temperature > 0,
-            _sample_q,
-            _greedy_q,
-            (logits, tokens.to(torch.int64), children.to(torch.int64), temperature, top_p,
-             uniforms.to(torch.float32), draft_probs.to(torch.float32)),
-        )
-
     depth, _, _ = _tree_setup(tokens, parents, children)
-
-    def _sample(lg, tk, ch, t, tp, u):
-        return tuple(torch.ops.specc.tree_accept_sample(sampling_probs(lg, t, tp), tk, ch, depth, u))
-
-    def _greedy(lg, tk, ch, t, tp, u):
-        return tuple(torch.ops.specc.tree_accept_greedy(lg, tk, ch, depth))
-
-    return _branch(
-        temperature > 0,
-        _sample,
-        _greedy,
-        (logits, tokens.to(torch.int64), children.to(torch.int64), temperature, top_p,
-         uniforms.to(torch.float32)),
-    )
+    tokens, children = tokens.to(torch.int64), children.to(torch.int64)
+    if mode == "greedy":
+        return tuple(torch.ops.specc.tree_accept_greedy(logits, tokens, children, depth))
+    probs = sampling_probs(logits, temperature, top_p if mode == "top_p" else None)
+    uniforms = uniforms.to(torch.float32)
+    if draft_probs is not None:
+        return accept_sampled_reference(probs, draft_probs.to(torch.float32), tokens, children, depth, uniforms)
+    return tuple(torch.ops.specc.tree_accept_sample(probs, tokens, children, depth, uniforms))
 
 
 # ---------------------------------------------------------------------------

@@ -31,7 +31,8 @@ def cmd_compile(a) -> int:
     config = CompileConfig(model=a.model, drafter=a.drafter, tree=a.tree, backend=a.backend, output_dir=a.output,
                            drafter_path=a.drafter_path, drafter_layers=a.drafter_layers, dtype=a.dtype,
                            block_size=a.block_size, device=a.device, children=a.children, max_len=a.max_len,
-                           prefill_chunk=a.prefill_chunk, dump_ir=a.dump_ir, progress=not a.json)
+                           prefill_chunk=a.prefill_chunk, dump_ir=a.dump_ir, progress=not a.json,
+                           **({"modes": a.modes} if a.modes else {}))
     out = specc.compile(config=config)
     manifest = json.loads((out / "specc.json").read_text())
     if a.json:
@@ -143,6 +144,7 @@ def cmd_inspect(a) -> int:
         print("            " + line)
     print(f"backend     {m['backend']} on {m.get('device', 'cpu')}, dtype {m['dtype']}, max_len {m['max_len']}, "
           f"prefill chunk {m['prefill_chunk']}")
+    print(f"modes       {', '.join(m['modes'])} (one graph per mode for each graph that samples)")
     print(f"versions    specc {m['specc_version']}, torch {m['torch_version']}, transformers {m['transformers_version']}")
     print(f"files       {len(m['files'])} (sha256 recorded)")
     if a.passes:
@@ -207,6 +209,10 @@ def add_compile(sub) -> None:
     c.add_argument("--children", default="topk",
                    help="topk (each node's children are the drafter's top-k) | sampled (dflash, mtp: at temperature "
                         "> 0 children are i.i.d. draws from the drafter's distribution, verified with min(1, p/q))")
+    c.add_argument("--modes", default=None,
+                   help="the sampling modes the engine carries graphs for, comma-separated (default: all): greedy "
+                        "(temperature 0), sample (temperature > 0), top_p (temperature > 0 with top-p < 1); each "
+                        "mode adds its own graphs and compile time")
     c.add_argument("--dtype", default="float32")
     c.add_argument("--max-len", type=int, default=1024)
     c.add_argument("--prefill-chunk", type=int, default=32)

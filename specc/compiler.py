@@ -35,8 +35,9 @@ from .signature import SampledChildren
 from .target_module import TargetModule, module_state, sliding_window_limit
 from .tree import Tree, tree_from_paths
 
-FORMAT_VERSION = 3  # 2: one DraftSignature for DFlash and MTP graphs, drafter graphs named draft_*;
-                    # 3: eager graphs saved (program JSON + safetensors), not captured again on load
+FORMAT_VERSION = 4  # 2: one DraftSignature for DFlash and MTP graphs, drafter graphs named draft_*;
+                    # 3: eager graphs saved (program JSON + safetensors), not captured again on load;
+                    # 4: one graph per sampling mode (plain_greedy, step_top_p, ...), no torch.cond
 
 
 @dataclass
@@ -83,7 +84,7 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
     entry = kind.entry(cfg, weights, tree)
     cache_len = cfg.max_len + max(cfg.prefill_chunk, tree.size)
     modules = build_modules(kind, target.model, weights, entry, tree, cache_len)
-    plans = graph_plans(kind, tree, cfg.prefill_chunk, cache_len, cfg.backend, modules.sampled)
+    plans = graph_plans(kind, tree, cfg.prefill_chunk, cache_len, cfg.backend, modules.sampled, cfg.modes)
     with staging(out) as stage:
         states = move_states(modules.states(), cfg.device)
         built, graphs = {}, {}
@@ -95,9 +96,11 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
             args = example_inputs(ep)
             graphs[plan.name] = {
                 "module": plan.module, "tokens": plan.T, "inputs": [[list(a.shape), str(a.dtype)] for a in args],
-                "passes": ([f"fuse_step({', '.join(plan.fuse)})"] if plan.fuse else []) + plan.pipeline.names,
+                "mode": plan.mode, "passes": plan.passes,
                 **lower_graph(cfg.backend, ep, states[plan.module], stage, plan.name, args, cfg.device)}
         bar.close()
+        if cfg.dump_ir:  # the shared first stages were copied into each graph's dump
+            shutil.rmtree(Path(cfg.dump_ir) / ".base", ignore_errors=True)
         target.model.save_pretrained(stage / "target")
         if target.tokenizer is not None:
             target.tokenizer.save_pretrained(stage / "target")
@@ -110,8 +113,9 @@ def measure_tree(cfg: CompileConfig, depth_limit: int):
     """A tree built from acceptance measured at compile time (`--tree sequoia:BUDGET | auto`): the tree,
     its report, and for auto the engine directory of the winning candidate."""
     def build(tree_file: str, backend: str | None, engine_dir: Path):
+        # The calibration engine (backend "eager") only decodes greedily; auto's candidates may become the engine.
         compile(config=replace(cfg, tree=tree_file, backend=backend or cfg.backend, output_dir=engine_dir,
-                               dump_ir=None, progress=False))
+                               dump_ir=None, progress=False, modes=cfg.modes if backend is None else ("greedy",)))
         return load(engine_dir)
 
     out = Path(cfg.output_dir)
@@ -153,7 +157,8 @@ def write_manifest(stage: Path, cfg: CompileConfig, target, target_module: Targe
                    "weights_sha256": files.get("target/model.safetensors")},
         "drafter": entry, "tree": {"spec": cfg.tree_spec, **tree.to_manifest(), **(report or {})},
         "backend": cfg.backend, "device": cfg.device, "dtype": str(cfg.torch_dtype).replace("torch.", ""),
-        "max_len": cfg.max_len, "prefill_chunk": cfg.prefill_chunk, "cache_len": cache_len, "graphs": graphs,
+        "modes": list(cfg.modes), "max_len": cfg.max_len, "prefill_chunk": cfg.prefill_chunk, "cache_len": cache_len,
+        "graphs": graphs,
         "files": files,
     }
     (stage / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
@@ -249,7 +254,8 @@ def load(path, check_hashes: bool = True, device: str | None = None) -> Engine:
     entry, tree = manifest["drafter"], tree_from_paths(manifest["tree"]["paths"])
     kind, cache_len, chunk = get_kind(entry["kind"]), manifest["cache_len"], manifest["prefill_chunk"]
     modules = build_modules(kind, model, kind.load_saved(path / "draft", entry, model, dtype), entry, tree, cache_len)
-    plans = {p.name: p for p in graph_plans(kind, tree, chunk, cache_len, backend, modules.sampled)}
+    plans = {p.name: p for p in graph_plans(kind, tree, chunk, cache_len, backend, modules.sampled,
+                                            manifest["modes"])}
     states = move_states(modules.states(), device)
     graphs = {}
     for name, g in manifest["graphs"].items():

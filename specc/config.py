@@ -15,6 +15,7 @@ from .backends import check_backend, check_device
 from .drafters import get_kind, kinds_with
 from .errors import SpeccError
 from .models import parse_dtype
+from .signature import MODES
 from .tree import Tree, chain, is_measured, parse_tree
 
 MANIFEST = "specc.json"
@@ -34,6 +35,8 @@ class CompileConfig:
     drafter_layers: int | None = None
     block_size: int | None = None
     children: str = "topk"
+    # The sampling modes whose graphs the engine carries (greedy, sample, top_p): a string "a,b" or a tuple.
+    modes: str | tuple[str, ...] = MODES
     dtype: str = "float32"
     max_len: int = 1024
     prefill_chunk: int = 32
@@ -55,6 +58,7 @@ class CompileConfig:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
         set_("device", check_device(self.device))
         set_("torch_dtype", parse_dtype(self.dtype))
+        set_("modes", parse_modes(self.modes))
         if self.children not in CHILDREN:
             raise SpeccError(f"--children {self.children!r} is unknown; use topk or sampled.")
         if self.children == "sampled" and not kind.SAMPLED_CHILDREN:
@@ -92,3 +96,13 @@ class CompileConfig:
     @property
     def measured_tree(self) -> bool:
         return is_measured(self.tree_spec)
+
+
+def parse_modes(modes) -> tuple[str, ...]:
+    """--modes: a comma-separated subset of MODES, kept in MODES' order."""
+    names = [m.strip() for m in modes.split(",")] if isinstance(modes, str) else list(modes)
+    unknown = [m for m in names if m not in MODES]
+    if unknown or not names:
+        raise SpeccError(f"--modes {','.join(names)!r} is not a list of sampling modes; use one or more of "
+                         f"{','.join(MODES)} (greedy: temperature 0; sample: temperature > 0; top_p: with top-p < 1).")
+    return tuple(m for m in MODES if m in names)

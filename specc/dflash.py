@@ -24,7 +24,7 @@ from torch import nn
 
 from .draft_tokens import draft_slots, sampled_drafts, tree_drafts
 from .errors import SpeccError
-from .signature import DraftSignature, SampledChildren
+from .signature import DraftSignature, SampledChildren, parse_sampling
 from .target_module import additive_mask
 from .tree import Tree, chain
 
@@ -376,9 +376,9 @@ class DFlashStep(nn.Module):
     ranks[i] at block position depths[i] (argmax for a chain). Padding rows write slots >= start,
     which no block sees before a later call overwrites them.
 
-    `sampled=True` (`--children sampled`): forward also takes (temperature [], top_p [], uniforms
-    [(B-1) * width]) and returns (drafts, q [B-1, V]); at temperature > 0 the drafts are draws from
-    q, the drafter's distribution at each block position (drafters.sampled_drafts)."""
+    `sampled=True` (`--children sampled`): in a sampling mode forward also takes the mode's sampling
+    inputs (uniforms [(B-1) * width]) and returns (drafts, q [B-1, V]): the drafts are draws from q,
+    the drafter's distribution at each block position (draft_tokens.sampled_drafts)."""
 
     def __init__(self, drafter: DFlashDrafter, embed_tokens: nn.Module, lm_head_weight: torch.Tensor,
                  cache_len: int, block_size: int | None = None, tree: Tree | None = None, sampled: bool = False):
@@ -410,15 +410,15 @@ class DFlashStep(nn.Module):
             self.register_buffer(f"v_cache_{i}", torch.zeros(cfg.num_kv_heads, cache_len, cfg.head_dim, dtype=dtype),
                                  persistent=False)
 
-    @property
-    def signature(self) -> DraftSignature:
+    def signature(self, mode: str = "greedy") -> DraftSignature:
         vocab = self.lm_head_weight.shape[0]
-        return DraftSignature(SampledChildren(self.q_rows, vocab, self.width) if self.sampled else None)
+        return DraftSignature(SampledChildren(self.q_rows, vocab, self.width) if self.sampled else None, mode)
 
-    def example_inputs(self, rows: int) -> tuple:
-        return self.signature.example_inputs(rows, self.drafter.fc.in_features, self.drafter.fc.weight.dtype)
+    def example_inputs(self, rows: int, mode: str = "greedy") -> tuple:
+        return self.signature(mode).example_inputs(rows, self.drafter.fc.in_features, self.drafter.fc.weight.dtype)
 
-    def forward(self, taps, next_tokens, ctx_start, n_ctx, temperature=None, top_p=None, uniforms=None):
+    def forward(self, taps, next_tokens, ctx_start, n_ctx, *sampling_args):
+        s = parse_sampling(sampling_args)  # none in greedy mode: top-k drafts
         cfg = self.drafter.config
         anchor = next_tokens.index_select(0, (n_ctx - 1).view(1))
         R, B, S = taps.shape[0], self.block_size, self.cache_len
@@ -440,7 +440,8 @@ class DFlashStep(nn.Module):
             v_cache.index_copy_(1, ctx_pos, v_new)
             x = layer(x, cos, sin, k_cache, v_cache, mask)
         logits = F.linear(self.drafter.norm(x)[1:], self.lm_head_weight)
-        if self.sampled:
-            return sampled_drafts(logits, self.draft_depth, self.draft_rank, self.width, temperature, top_p, uniforms)
+        if self.sampled and s.mode != "greedy":
+            return sampled_drafts(logits, self.draft_depth, self.draft_rank, self.width, s.temperature, s.top_p,
+                                  s.uniforms)
         return tree_drafts(logits, self.draft_depth, self.draft_rank, self.width)
 

@@ -34,14 +34,14 @@ def tree_drafts(logits: torch.Tensor, depth: torch.Tensor, rank: torch.Tensor, w
 
 def sampled_drafts(logits: torch.Tensor, depth: torch.Tensor, rank: torch.Tensor, width: int, temperature,
                    top_p, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Children drawn i.i.d. from the drafter (engines compiled with `--children sampled`).
+    """Children drawn i.i.d. from the drafter (engines compiled with `--children sampled`, in a
+    sampling mode; greedy graphs draft the top-k with tree_drafts).
 
-    logits [D, V] per depth; uniforms [D * width], one per (depth, rank) slot. Returns the drafts
-    [T-1] and q [D, V], the drafter's sampling distribution per depth (the target's temperature
-    and top-p). At temperature > 0 node i takes the draw of slot (depth[i], rank[i]) from q[depth[i]]:
-    siblings take distinct slots, so a node's children are i.i.d. draws from q of their depth,
-    which the verifier's min(1, p/q) rule needs. Greedy keeps the top-k drafts (q is unused then)."""
+    logits [D, V] per depth; uniforms [D * width], one per (depth, rank) slot; top_p None: no
+    filter. Returns the drafts [T-1] and q [D, V], the drafter's sampling distribution per depth
+    (the target's temperature and top-p). Node i takes the draw of slot (depth[i], rank[i]) from
+    q[depth[i]]: siblings take distinct slots, so a node's children are i.i.d. draws from q of
+    their depth, which the verifier's min(1, p/q) rule needs."""
     q = sampling_probs(logits, temperature, top_p)
     slot = depth * width + rank
-    drawn = inverse_cdf_rows(q.index_select(0, depth), uniforms.index_select(0, slot))
-    return torch.where(temperature > 0, drawn, tree_drafts(logits, depth, rank, width)), q
+    return inverse_cdf_rows(q.index_select(0, depth), uniforms.index_select(0, slot)), q

@@ -56,7 +56,7 @@ from torch import nn
 
 from .acceptance import inverse_cdf_rows, sampling_probs
 from .draft_tokens import draft_slots, sampled_drafts, tree_drafts
-from .signature import DraftSignature, SampledChildren
+from .signature import DraftSignature, SampledChildren, parse_sampling
 from .target_module import Block, additive_mask
 from .errors import SpeccError
 from .tree import Tree, chain
@@ -338,9 +338,9 @@ class MTPStep(nn.Module):
     depth depths[i] (`tree` defaults to chain:depth, whose drafts are the argmaxes).
     The target's embedding, final norm, LM head and rotary embedding are passed in and shared.
 
-    `sampled=True` (`--children sampled`): forward also takes (temperature [], top_p [], uniforms
-    [depth * width]) and returns (drafts, q [depth, V]); at temperature > 0 the drafts are draws
-    from q (drafters.sampled_drafts) and each depth feeds the next with its rank-0 draw."""
+    `sampled=True` (`--children sampled`): in a sampling mode forward also takes the mode's sampling
+    inputs (uniforms [depth * width]) and returns (drafts, q [depth, V]): the drafts are draws from
+    q (draft_tokens.sampled_drafts) and each depth feeds the next with its rank-0 draw."""
 
     def __init__(self, heads: MTPHeads, embed_tokens: nn.Module, final_norm: nn.Module, lm_head_weight: torch.Tensor,
                  rotary_emb: nn.Module, cache_len: int, depth: int, tree: Tree | None = None, sampled: bool = False):
@@ -383,15 +383,16 @@ class MTPStep(nn.Module):
     def _logits(self, out):
         return F.linear(self.head_norm(out), self.lm_head_weight)
 
-    @property
-    def signature(self) -> DraftSignature:
+    def signature(self, mode: str = "greedy") -> DraftSignature:
         vocab = self.lm_head_weight.shape[0]
-        return DraftSignature(SampledChildren(self.q_rows, vocab, self.width) if self.sampled else None)
+        return DraftSignature(SampledChildren(self.q_rows, vocab, self.width) if self.sampled else None, mode)
 
-    def example_inputs(self, rows: int) -> tuple:
-        return self.signature.example_inputs(rows, self.eh_proj.weight.shape[0], self.eh_proj.weight.dtype)
+    def example_inputs(self, rows: int, mode: str = "greedy") -> tuple:
+        return self.signature(mode).example_inputs(rows, self.eh_proj.weight.shape[0], self.eh_proj.weight.dtype)
 
-    def forward(self, hidden, next_tokens, ctx_start, n_ctx, temperature=None, top_p=None, uniforms=None):
+    def forward(self, hidden, next_tokens, ctx_start, n_ctx, *sampling_args):
+        s = parse_sampling(sampling_args)  # none in greedy mode: top-k drafts
+        sample = self.sampled and s.mode != "greedy"
         R = hidden.shape[0]
         out = self._layer(self._mix(hidden, self.embed_tokens(next_tokens)), torch.arange(R) + ctx_start)
         last = out.index_select(0, (n_ctx - 1).view(1))  # position P = ctx_start + n_ctx - 1
@@ -399,15 +400,14 @@ class MTPStep(nn.Module):
         for d in range(2, self.depth + 1):
             h = self.head_norm(last) if self.normed_feedback else last
             top = logits[-1].argmax(-1)
-            if self.sampled:  # feed the rank-0 draw of depth d-1: the token every rank-0 node there carries
-                q = sampling_probs(logits[-1], temperature, top_p)
-                u = uniforms.index_select(0, torch.tensor([(d - 2) * self.width]))
-                top = torch.where(temperature > 0, inverse_cdf_rows(q, u), top)
+            if sample:  # feed the rank-0 draw of depth d-1: the token every rank-0 node there carries
+                q = sampling_probs(logits[-1], s.temperature, s.top_p)
+                top = inverse_cdf_rows(q, s.uniforms.index_select(0, torch.tensor([(d - 2) * self.width])))
             last = self._layer(self._mix(h, self.embed_tokens(top)), (ctx_start + n_ctx + d - 2).view(1))
             logits.append(self._logits(last))
-        if self.sampled:
-            return sampled_drafts(torch.cat(logits), self.draft_depth, self.draft_rank, self.width, temperature,
-                                  top_p, uniforms)
+        if sample:
+            return sampled_drafts(torch.cat(logits), self.draft_depth, self.draft_rank, self.width, s.temperature,
+                                  s.top_p, s.uniforms)
         return tree_drafts(torch.cat(logits), self.draft_depth, self.draft_rank, self.width)
 
 

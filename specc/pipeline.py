@@ -29,11 +29,12 @@ class Pipeline:
     def names(self) -> list[str]:
         return [name for name, _ in self.passes]
 
-    def run(self, ep: torch.export.ExportedProgram, dump_dir: Path | None = None,
-            label: str = "graph") -> torch.export.ExportedProgram:
-        if dump_dir is not None:
+    def run(self, ep: torch.export.ExportedProgram, dump_dir: Path | None = None, label: str = "graph",
+            first: int = 1) -> torch.export.ExportedProgram:
+        """`first`: the number of the first pass in the dump (a pipeline continuing another's)."""
+        if dump_dir is not None and first == 1:
             dump_graph(ep, Path(dump_dir) / f"{label}.00-capture.txt")
-        for i, (name, fn) in enumerate(self.passes, start=1):
+        for i, (name, fn) in enumerate(self.passes, start=first):
             ep = fn(ep)
             if dump_dir is not None:
                 dump_graph(ep, Path(dump_dir) / f"{label}.{i:02d}-{name}.txt")

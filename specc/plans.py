@@ -3,10 +3,14 @@
 Every engine holds `prefill` (a static chunk of prompt tokens -> the next token) and `plain` (the
 one-node tree: ordinary decoding, also the baseline); an engine whose tree has drafts holds
 `step` (the tree verified in one call). A drafter kind adds its own graphs (specc/drafters/).
+Graphs that sample exist once per sampling mode the engine carries (`plain_greedy`,
+`step_top_p`, ...: specc.signature.MODES); the modes share one capture of the target.
 """
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from torch import nn
@@ -20,7 +24,7 @@ from specc.passes.tree_attention import tree_attention
 from specc.passes.tree_inputs import tree_inputs
 
 from .pipeline import Pipeline, capture
-from .signature import SampledChildren
+from .signature import MODES, SampledChildren, graph_name
 from .tree import Tree, chain
 
 MODULES = ("target", "draft", "fused")  # whose tensors a graph runs on: the fused step holds both
@@ -28,11 +32,18 @@ MODULES = ("target", "draft", "fused")  # whose tensors a graph runs on: the fus
 
 @dataclass
 class GraphPlan:
-    name: str
+    name: str  # the graph's key in the engine: graph_name(what it is, its mode)
     module: str  # one of MODULES
     T: int  # tokens (or drafter rows) per call
     pipeline: Pipeline
     fuse: tuple[str, str] | None = None  # (verify graph, drafter graph) that fuse_step joins
+    mode: str | None = None  # the sampling mode it is built for; None: one graph serves every mode
+    base: "GraphPlan | None" = None  # a first stage the modes share (captured once, never lowered)
+
+    @property
+    def passes(self) -> list[str]:
+        fused = [f"fuse_step({', '.join(self.fuse)})"] if self.fuse else []
+        return fused + (self.base.passes if self.base else []) + self.pipeline.names
 
 
 def start(backend: str) -> Pipeline:
@@ -40,36 +51,54 @@ def start(backend: str) -> Pipeline:
     return Pipeline().add("matvec", matvec) if backend == "inductor" else Pipeline()
 
 
-def prefill_pipeline(chunk: int, cache_len: int, backend: str) -> Pipeline:
-    return (start(backend).add("tree_inputs", lambda ep: tree_inputs(ep, chain(chunk - 1), cache_len))
-            .add("sample_last", sample_last))
+def prefill_plans(name: str, module: str, chunk: int, cache_len: int, backend: str, modes) -> list[GraphPlan]:
+    """A static chunk of prompt tokens -> the next token, one graph per mode over one shared capture."""
+    base = GraphPlan(name, module, chunk, start(backend).add("tree_inputs",
+                                                              lambda ep: tree_inputs(ep, chain(chunk - 1), cache_len)))
+    return [GraphPlan(graph_name(name, m), module, chunk, Pipeline().add("sample_last", partial(sample_last, mode=m)),
+                      mode=m, base=base) for m in modes]
 
 
-def decode_pipeline(tree: Tree, cache_len: int, backend: str, sampled: SampledChildren | None = None) -> Pipeline:
+def decode_plans(name: str, module: str, tree: Tree, cache_len: int, backend: str, modes,
+                 sampled: SampledChildren | None = None) -> list[GraphPlan]:
+    """`tree` verified in one call, one graph per mode: the mode-free passes run once, then each
+    mode's acceptance and KV compaction."""
     # tree_attention: the specc op runs SDPA itself on CPU and the Triton kernel on CUDA.
-    return (start(backend).add("tree_attention", tree_attention)
-            .add("tree_inputs", lambda ep: tree_inputs(ep, tree, cache_len))
-            .add("accept", lambda ep: accept(ep, tree, sampled)).add("compact_kv", lambda ep: compact_kv(ep, tree)))
+    base = GraphPlan(name, module, tree.size, start(backend).add("tree_attention", tree_attention)
+                     .add("tree_inputs", lambda ep: tree_inputs(ep, tree, cache_len)))
+    return [GraphPlan(graph_name(name, m), module, tree.size,
+                      Pipeline().add("accept", partial(accept, tree=tree, sampled=sampled, mode=m))
+                      .add("compact_kv", lambda ep: compact_kv(ep, tree)), mode=m, base=base) for m in modes]
 
 
 def graph_plans(kind, tree: Tree, chunk: int, cache_len: int, backend: str = "eager",
-                sampled: SampledChildren | None = None) -> list[GraphPlan]:
-    """The engine's graphs for drafter `kind` (a module of specc.drafters) and `tree`."""
-    plans = [GraphPlan("prefill", "target", chunk, prefill_pipeline(chunk, cache_len, backend)),
-             GraphPlan("plain", "target", 1, decode_pipeline(chain(0), cache_len, backend))]
+                sampled: SampledChildren | None = None, modes=MODES) -> list[GraphPlan]:
+    """The engine's graphs for drafter `kind` (a module of specc.drafters), `tree` and sampling `modes`."""
+    plans = (prefill_plans("prefill", "target", chunk, cache_len, backend, modes)
+             + decode_plans("plain", "target", chain(0), cache_len, backend, modes))
     if tree.size > 1:
-        plans.append(GraphPlan("step", "target", tree.size, decode_pipeline(tree, cache_len, backend, sampled)))
-    return plans + kind.plans(tree, chunk, cache_len, backend, sampled)
+        plans += decode_plans("step", "target", tree, cache_len, backend, modes, sampled)
+    return plans + kind.plans(tree, chunk, cache_len, backend, sampled, modes)
 
 
 def build_program(plan: GraphPlan, modules: dict[str, nn.Module], built: dict, tree: Tree,
                   dump_dir: Path | None = None):
     """Capture the plan's module (`modules[plan.module]`, which knows its own example inputs) and run
-    the plan's passes; a fused plan instead joins two programs already `built`."""
+    the plan's passes; a plan with a base starts from the base's program (built once, kept in
+    `built` under ("base", name)); a fused plan instead joins two programs already `built`."""
     if plan.fuse is not None:
         verify_name, draft_name = plan.fuse
-        ep = fuse_step(built[verify_name], built[draft_name], tree, modules["draft"].signature)
+        ep = fuse_step(built[verify_name], built[draft_name], tree, modules["draft"].signature(plan.mode or "greedy"))
+    elif plan.base is not None:
+        key, base_dump = ("base", plan.base.name), Path(dump_dir) / ".base" if dump_dir else None
+        if key not in built:
+            built[key] = build_program(plan.base, modules, built, tree, base_dump)
+        if dump_dir is not None:  # each graph's dump holds every pass that made it, the shared ones too
+            for f in sorted(base_dump.glob(f"{plan.base.name}.*.txt")):
+                shutil.copyfile(f, Path(dump_dir) / f"{plan.name}{f.name[len(plan.base.name):]}")
+        return plan.pipeline.run(built[key], dump_dir=dump_dir, label=plan.name, first=len(plan.base.passes) + 1)
     else:
         module = modules[plan.module]
-        ep = capture(module, module.example_inputs(plan.T))
+        ep = capture(module, module.example_inputs(plan.T) if plan.mode is None else
+                     module.example_inputs(plan.T, plan.mode))
     return plan.pipeline.run(ep, dump_dir=dump_dir, label=plan.name)

@@ -15,9 +15,11 @@ import torch
 
 from .errors import SpeccError
 from .prefill import prefill, tap_rows
-from .signature import SampledChildren, StepSignature
+from .signature import MODES, SampledChildren, StepSignature, graphs_for_mode, mode_of
 
-PLAIN = StepSignature(1)  # the plain graph: the one-node tree
+
+MODE_WORDS = {"greedy": "greedy decoding", "sample": "sampling (temperature > 0)",
+              "top_p": "sampling with top-p < 1"}
 
 
 @dataclass
@@ -52,6 +54,8 @@ class Run:
     gen: torch.Generator
     temperature: torch.Tensor
     top_p: torch.Tensor
+    mode: str  # greedy | sample | top_p: which of the engine's graphs run
+    graphs: dict  # the mode's graphs, by name without the mode (prefill, plain, step, fused, ...)
     next_drafts: torch.Tensor | None = None  # fused: the next tree's drafts (and q) from the last call
     next_q: torch.Tensor | None = None
 
@@ -74,9 +78,13 @@ class Engine:
         self.eos = set(manifest["target"].get("eos_token_ids") or [])
         # One graph per step where the engine has a fused step; False runs the unfused path (its reference).
         self.use_fused = True
-        sampled = SampledChildren.from_entry(manifest["drafter"], manifest["target"]["vocab_size"])
-        self.step_signature = StepSignature(tree.size, sampled)
-        self.fused_signature = StepSignature(tree.size, sampled, fused=True)
+        self.sampled = SampledChildren.from_entry(manifest["drafter"], manifest["target"]["vocab_size"])
+        self.modes = tuple(manifest.get("modes", MODES))
+
+    def signatures(self, mode: str) -> tuple[StepSignature, StepSignature, StepSignature]:
+        """The plain, step and fused graphs' calling conventions in `mode`."""
+        return (StepSignature(1, mode=mode), StepSignature(self.tree.size, self.sampled, mode=mode),
+                StepSignature(self.tree.size, self.sampled, fused=True, mode=mode))
 
     # -- prompts ---------------------------------------------------------------------------
     def encode(self, prompt, chat: bool = False) -> list[int]:
@@ -113,19 +121,25 @@ class Engine:
                              f"(it must leave room for at least one new token).")
         if temperature < 0 or not 0 < top_p <= 1:
             raise SpeccError("temperature must be >= 0 and top-p must be in (0, 1].")
+        mode = mode_of(temperature, top_p)
+        if mode not in self.modes:
+            raise SpeccError(f"{MODE_WORDS[mode]} needs the {mode} graphs, and this engine was compiled with "
+                             f"--modes {','.join(self.modes)}; compile it again with --modes "
+                             f"{','.join(m for m in MODES if m in self.modes or m == mode)}.")
         dev = self._tensor
         run = Run(committed=list(ids), base_len=L, budget=min(max_new_tokens, self.max_len - L), produced=0,
                   gen=torch.Generator().manual_seed(seed),  # on the CPU: the same draws on every device
-                  temperature=dev(float(temperature)), top_p=dev(float(top_p)))
+                  temperature=dev(float(temperature)), top_p=dev(float(top_p)), mode=mode,
+                  graphs=graphs_for_mode(self.graphs, mode))
         drafter = self.drafter if speculate else None
         step = (self._plain_step if drafter is None else
-                self._fused_step if self.use_fused and "fused" in self.graphs else self._speculative_step)
+                self._fused_step if self.use_fused and "fused" in run.graphs else self._speculative_step)
         t0 = time.perf_counter()
         on_rows = None
         if drafter is not None:
-            drafter.start(ids, run.temperature, run.top_p, run.gen)
+            drafter.start(ids, mode, run.temperature, run.top_p, run.gen)
             on_rows = drafter.add_rows if drafter.needs_rows else None
-        first = prefill(ids, self.graphs["prefill"], self.graphs["plain"], self.chunk, run.temperature, run.top_p,
+        first = prefill(ids, run.graphs["prefill"], run.graphs["plain"], self.chunk, mode, run.temperature, run.top_p,
                         run.gen, on_rows, self.device)
         stats.prefill_s, stats.prompt_tokens = time.perf_counter() - t0, L
         run.committed.append(first)
@@ -147,14 +161,15 @@ class Engine:
     def _tensor(self, value, **kw) -> torch.Tensor:
         return torch.tensor(value, device=self.device, **kw)
 
-    def _uniforms(self, run: "Run", n: int) -> torch.Tensor:
-        return torch.rand(n, generator=run.gen).to(self.device)
+    def _uniforms(self, run: "Run", n: int) -> torch.Tensor | None:
+        return torch.rand(n, generator=run.gen).to(self.device) if run.mode != "greedy" else None
 
     def _plain_step(self, run: "Run"):
         """Ordinary decoding: the one-node tree (the root alone) through the plain graph."""
+        sig = self.signatures(run.mode)[0]
         tokens = self._tensor([run.committed[-1]], dtype=torch.int64)
-        res = PLAIN.unpack(self.graphs["plain"](*PLAIN.args(tokens, self._tensor(run.base_len), run.temperature,
-                                                             run.top_p, self._uniforms(run, 2))))
+        res = sig.unpack(run.graphs["plain"](*sig.args(tokens, self._tensor(run.base_len), run.temperature,
+                                                       run.top_p, self._uniforms(run, 2))))
         return int(res.n), res.path, res.out, 1
 
     def _speculative_step(self, run: "Run"):
@@ -163,9 +178,9 @@ class Engine:
         drafts, found = self.drafter.propose(run.committed)
         if not found:
             return self._plain_step(run)
-        T = self.tree.size
+        T, sig = self.tree.size, self.signatures(run.mode)[1]
         tokens = self._tensor([run.committed[-1]] + drafts[: T - 1], dtype=torch.int64)
-        res = self.step_signature.unpack(self.graphs["step"](*self.step_signature.args(
+        res = sig.unpack(run.graphs["step"](*sig.args(
             tokens, self._tensor(run.base_len), run.temperature, run.top_p, self._uniforms(run, T + 1),
             self.drafter.q)))
         n = int(res.n)
@@ -176,7 +191,7 @@ class Engine:
     def _fused_step(self, run: "Run"):
         """One graph per step: it verifies, updates the drafter and returns the next tree's drafts.
         The first proposal (which flushes the prompt's rows) comes from the drafter's own graphs."""
-        T, sig = self.tree.size, self.fused_signature
+        T, sig = self.tree.size, self.signatures(run.mode)[2]
         if run.next_drafts is None:
             drafts, _ = self.drafter.propose(run.committed)
             tokens = self._tensor([run.committed[-1]] + drafts[: T - 1], dtype=torch.int64)
@@ -185,8 +200,8 @@ class Engine:
             tokens, q = torch.cat((self._tensor([run.committed[-1]]), run.next_drafts)), run.next_q
         uniforms = self._uniforms(run, T + 1)  # this tree's; then the next tree's draws (sampled children)
         draft_uniforms = self._uniforms(run, self.drafter.n_uniforms) if sig.sampled is not None else None
-        res = sig.unpack(self.graphs["fused"](*sig.args(tokens, self._tensor(run.base_len), run.temperature,
-                                                        run.top_p, uniforms, q, draft_uniforms)))
+        res = sig.unpack(run.graphs["fused"](*sig.args(tokens, self._tensor(run.base_len), run.temperature,
+                                                       run.top_p, uniforms, q, draft_uniforms)))
         run.next_drafts, run.next_q = res.next_drafts, res.next_q
         return int(res.n), res.path, res.out, T
 

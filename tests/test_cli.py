@@ -329,8 +329,9 @@ def test_compile_output_and_manifest(result, jobs):
     assert m["backend"] == "eager"
     assert m["drafter"]["kind"] == "ngram"
     assert m["tree"]["spec"] == "chain:3"
-    assert set(m["graphs"]) == {"prefill", "plain", "step"}
-    assert m["graphs"]["step"]["tokens"] == 4
+    assert m["modes"] == ["greedy", "sample", "top_p"]  # the default: every mode
+    assert set(m["graphs"]) == {f"{g}_{mode}" for g in ("prefill", "plain", "step") for mode in m["modes"]}
+    assert all(m["graphs"][f"step_{mode}"]["tokens"] == 4 for mode in m["modes"])
     on_disk = {str(p.relative_to(engine)) for p in engine.rglob("*") if p.is_file()}
     assert on_disk == set(m["files"]) | {"specc.json"}
     assert not any(f.endswith((".bin", ".pt", ".pkl", ".pickle")) for f in on_disk)

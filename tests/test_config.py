@@ -66,8 +66,9 @@ def test_refuses_to_overwrite_other_content(tmp_path):
 
 def test_config_and_keywords_compile_the_same_engine(tiny_model_dir, tmp_path):
     a = specc.compile(tiny_model_dir, drafter="ngram", tree="chain:2", output_dir=tmp_path / "a", max_len=64,
-                      progress=False)
-    cfg = CompileConfig(drafter="ngram", tree="chain:2", output_dir=tmp_path / "b", max_len=64, progress=False)
+                      progress=False, modes="greedy")
+    cfg = CompileConfig(drafter="ngram", tree="chain:2", output_dir=tmp_path / "b", max_len=64, progress=False,
+                        modes="greedy")
     b = specc.compile(tiny_model_dir, cfg)
     ma, mb = (json.loads((p / "specc.json").read_text()) for p in (a, b))
     for key in ("drafter", "tree", "graphs", "cache_len", "backend"):
@@ -103,7 +104,8 @@ def test_a_new_kind_is_one_module_and_one_registry_line(tiny_model_dir, tmp_path
     kind = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(kind)
     monkeypatch.setitem(KINDS, kind.NAME, kind)  # the registry line
-    out = specc.compile(tiny_model_dir, drafter="ngram-eager", output_dir=tmp_path / "e", max_len=64, progress=False)
+    out = specc.compile(tiny_model_dir, drafter="ngram-eager", output_dir=tmp_path / "e", max_len=64, progress=False,
+                        modes="greedy")
     engine = specc.load(out)
     prompt = "the a of the a of the a of"
     res = engine.generate(prompt, max_new_tokens=16, stop_at_eos=False)

@@ -29,7 +29,7 @@ def test_ngram_propose_matches_brute_force(tokens, k, max_ngram, min_ngram):
 
 def test_ngram_drafter_pads_and_reports_misses():
     d = NgramDrafter(chain(4), min_ngram=2)
-    d.start([1, 2, 3, 9, 1, 2], 0.0, 1.0)
+    d.start([1, 2, 3, 9, 1, 2], "greedy", 0.0, 1.0)
     drafts, found = d.propose([1, 2, 3, 9, 1, 2])
     assert found and drafts == [3, 9, 1, 2]
     d.accepted([1, 2, 3, 9, 1, 2, 7], 0)
@@ -93,7 +93,7 @@ def test_ngram_drafter_on_a_tree_offers_several_matches():
     tree = tree_from_paths([[0], [1], [0, 0], [1, 0]])
     d = NgramDrafter(tree, min_ngram=2)
     ids = [1, 2, 3, 4, 1, 2, 5, 6, 1, 2]
-    d.start(ids, 0.0, 1.0)
+    d.start(ids, "greedy", 0.0, 1.0)
     drafts, found = d.propose(ids)
     # Node order: [0], [1], [0,0], [1,0]: the latest match (5, 6) first, then (3, 4).
     assert found and drafts == [5, 3, 6, 4]
@@ -101,10 +101,10 @@ def test_ngram_drafter_on_a_tree_offers_several_matches():
 
 def test_sampled_drafts_draw_each_slot_from_its_depth():
     """Sampled children: node i is the inverse-CDF draw of q[depth i] with the uniform of its
-    (depth, rank) slot; the draws follow q; greedy keeps the top-k drafts."""
+    (depth, rank) slot; the draws follow q. (Greedy graphs draft the top-k with tree_drafts.)"""
     import torch
 
-    from specc.draft_tokens import draft_slots, sampled_drafts, tree_drafts
+    from specc.draft_tokens import draft_slots, sampled_drafts
     from specc.tree import topk
     from specc.acceptance import reference_sampling_probs
 
@@ -127,5 +127,3 @@ def test_sampled_drafts_draw_each_slot_from_its_depth():
     assert torch.allclose(q, want.float(), atol=1e-6)
     assert (counts / 2000 - want).abs().max() < 0.05  # draws follow q (top-p zeros stay zero)
     assert (counts[want == 0] == 0).all()
-    greedy, _ = sampled_drafts(logits, depth, rank, width, torch.tensor(0.0), p, torch.rand(3 * width))
-    assert torch.equal(greedy, tree_drafts(logits, depth, rank, width))

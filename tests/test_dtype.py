@@ -55,7 +55,7 @@ def test_bf16_engine(tmp_path, kind, backend):
     model.save_pretrained(tmp_path / "m")
     path = specc.compile(tmp_path / "m", drafter=kind, dtype="bfloat16", backend=backend,
                          output_dir=tmp_path / "e", max_len=64, prefill_chunk=8, progress=False,
-                         **drafter_args(kind, model, tmp_path))
+                         modes="greedy,top_p", **drafter_args(kind, model, tmp_path))
     engine = specc.load(path)
     if backend == "eager":
         for name, graph in engine.graphs.items():

@@ -36,7 +36,7 @@ def test_greedy_identical_to_hf(tmp_path, arch, drafter, tree):
     model.save_pretrained(tmp_path / "m")
     kw = {"drafter_layers": 1} if drafter == "draft-model" else {}
     engine = specc.load(specc.compile(tmp_path / "m", drafter=drafter, tree=tree, output_dir=tmp_path / "e",
-                                      max_len=64, prefill_chunk=8, progress=False, **kw))
+                                      max_len=64, prefill_chunk=8, progress=False, modes="greedy", **kw))
     res = engine.generate(PROMPT, max_new_tokens=30, stop_at_eos=False)
     assert res.token_ids == hf_greedy(model, PROMPT, 30)
     assert res.stats.new_tokens == 30
@@ -47,7 +47,7 @@ def test_separate_draft_model(llama_dir, tmp_path, monkeypatch):
     """A draft model of its own; its eager engine loads its saved programs (no capture on load)."""
     root, model = llama_dir
     path = specc.compile(root / "llama", drafter="draft-model", drafter_path=root / "draft", tree="chain:4",
-                         output_dir=tmp_path / "e", max_len=64, prefill_chunk=8, progress=False)
+                         output_dir=tmp_path / "e", max_len=64, prefill_chunk=8, progress=False, modes="greedy")
     manifest = json.loads((path / "specc.json").read_text())
     assert "draft/model.safetensors" in manifest["files"]
     for name, g in manifest["graphs"].items():
@@ -67,17 +67,18 @@ def test_inductor_matches_eager_and_caches(llama_dir, tmp_path, monkeypatch):
     draft model, so that its graphs go through Inductor too (the SmolLM2 tests run it eager)."""
     root, model = llama_dir
     kw = dict(drafter="draft-model", drafter_path=root / "draft", tree="chain:3", max_len=64, prefill_chunk=8,
-              progress=False)
+              progress=False, modes="greedy,top_p")
     ind = specc.compile(root / "llama", backend="inductor", output_dir=tmp_path / "ind", **kw)
     calls = []
     real = torch._inductor.aoti_compile_and_package
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda *a, **k: calls.append(1) or real(*a, **k))
     again = specc.compile(root / "llama", backend="inductor", output_dir=tmp_path / "ind2", **kw)
     assert calls == []
-    names = ["draft_prefill", "draft_step", "plain", "prefill", "step"]
+    names = ["draft_prefill", "draft_step"] + [f"{g}_{m}" for g in ("plain", "prefill", "step")
+                                               for m in ("greedy", "top_p")]
     for name in names:
         assert (ind / "graphs" / f"{name}.pt2").read_bytes() == (again / "graphs" / f"{name}.pt2").read_bytes()
-    assert sorted(p.name for p in (ind / "graphs").iterdir()) == [f"{n}.pt2" for n in names]
+    assert sorted(p.name for p in (ind / "graphs").iterdir()) == sorted(f"{n}.pt2" for n in names)
     engine = specc.load(ind)
     assert engine.generate(PROMPT, max_new_tokens=30, stop_at_eos=False).token_ids == hf_greedy(model, PROMPT, 30)
     eager = specc.load(specc.compile(root / "llama", backend="eager", output_dir=tmp_path / "eager", **kw))
@@ -90,7 +91,7 @@ def test_inductor_matches_eager_and_caches(llama_dir, tmp_path, monkeypatch):
 def test_stops_and_stream(llama_dir, tmp_path):
     root, model = llama_dir
     engine = specc.load(specc.compile(root / "llama", drafter="ngram", tree="chain:3", output_dir=tmp_path / "e",
-                                      max_len=24, prefill_chunk=8, progress=False))
+                                      max_len=24, prefill_chunk=8, progress=False, modes="greedy"))
     res = engine.generate(PROMPT, max_new_tokens=100, stop_at_eos=False)
     assert res.stats.stop == "max_len" and len(PROMPT) + res.stats.new_tokens == 24
     full = engine.generate(PROMPT, max_new_tokens=8, stop_at_eos=False)
@@ -105,11 +106,10 @@ def test_stops_and_stream(llama_dir, tmp_path):
 def test_load_validates(llama_dir, tmp_path):
     root, _ = llama_dir
     path = specc.compile(root / "llama", drafter="none", output_dir=tmp_path / "e", max_len=32, prefill_chunk=8,
-                         progress=False)
+                         progress=False, modes="greedy")
     engine = specc.load(path)
     with pytest.raises(SpeccError, match="expected"):  # compiled graphs get exactly their static shapes
-        engine.graphs["plain"](torch.zeros(3, dtype=torch.int64), torch.tensor(0), torch.tensor(0.0),
-                               torch.tensor(1.0), torch.zeros(2))
+        engine.graphs["plain_greedy"](torch.zeros(3, dtype=torch.int64), torch.tensor(0))
     manifest = json.loads((path / "specc.json").read_text())
     manifest["format_version"] = 99
     (path / "specc.json").write_text(json.dumps(manifest))
@@ -123,7 +123,8 @@ def test_prefill_every_tail_length(llama_dir, tmp_path):
     that go through the one-token graph, for the target and the draft model alike."""
     root, model = llama_dir
     engine = specc.load(specc.compile(root / "llama", drafter="draft-model", drafter_layers=1, tree="chain:2",
-                                      output_dir=tmp_path / "e", max_len=48, prefill_chunk=4, progress=False))
+                                      output_dir=tmp_path / "e", max_len=48, prefill_chunk=4, progress=False,
+                                      modes="greedy"))
     for n in range(1, 11):
         ids = (PROMPT * 2)[:n]
         assert engine.generate(ids, max_new_tokens=6, stop_at_eos=False).token_ids == hf_greedy(model, ids, 6)
@@ -143,7 +144,7 @@ def test_compile_cache_key_sees_the_tree(llama_dir):
 
     def key(paths):
         tree = tree_from_paths(paths)
-        plan = [p for p in graph_plans(get_kind("ngram"), tree, 8, 40) if p.name == "step"][0]
+        plan = [p for p in graph_plans(get_kind("ngram"), tree, 8, 40) if p.name == "step_greedy"][0]
         ep = build_program(plan, {"target": tm}, {}, tree)
         args = example_inputs(ep)
         lifted, sub = lift(ep, module_state(tm), args)
@@ -207,7 +208,7 @@ def test_dflash_engine_greedy_and_context_rows(tmp_path, arch, backend):
     dpath, d = random_dflash(model, tmp_path / "dflash", block=4)
     engine = specc.load(specc.compile(tmp_path / "m", drafter="dflash", drafter_path=dpath, tree="chain:3",
                                       backend=backend, output_dir=tmp_path / "e", max_len=64, prefill_chunk=8,
-                                      progress=False))
+                                      progress=False, modes="greedy"))
     seen = []
     engine.use_fused = False  # every step through the drafter's graph; tests/test_tree_engine.py checks the fused step
     real = engine.drafter.propose
@@ -292,7 +293,7 @@ def test_mtp_engine_greedy_and_drafts(tmp_path, arch, backend, tree, kind):
     model.save_pretrained(tmp_path / "m")
     dpath, heads = mtp_checkpoint(model, tmp_path / "mtp", kind)
     path = specc.compile(tmp_path / "m", drafter="mtp", drafter_path=dpath, tree=tree, backend=backend,
-                         output_dir=tmp_path / "e", max_len=64, prefill_chunk=8, progress=False)
+                         output_dir=tmp_path / "e", max_len=64, prefill_chunk=8, progress=False, modes="greedy")
     k = int(tree.split(":")[1])
     entry = json.loads((path / "specc.json").read_text())["drafter"]
     assert entry == {"kind": "mtp", "depth": k, "trained_depth": heads.config.depth, "num_modules": 1,

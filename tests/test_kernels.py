@@ -516,21 +516,30 @@ def test_tree_attention_pass_replaces_sdpa_and_keeps_values(arch, heads, kv):
 def test_graph_plans_run_the_kernel_passes():
     tr = topk(2, 2)
     plans = {p.name: p for p in graph_plans(get_kind("ngram"), tr, 8, S)}
-    assert plans["step"].pipeline.names == ["tree_attention", "tree_inputs", "accept", "compact_kv"]
-    assert plans["plain"].pipeline.names == ["tree_attention", "tree_inputs", "accept", "compact_kv"]
-    assert "tree_attention" not in plans["prefill"].pipeline.names
+    for mode in ("greedy", "sample", "top_p"):
+        assert plans[f"step_{mode}"].passes == ["tree_attention", "tree_inputs", "accept", "compact_kv"]
+        assert plans[f"plain_{mode}"].passes == ["tree_attention", "tree_inputs", "accept", "compact_kv"]
+        assert "tree_attention" not in plans[f"prefill_{mode}"].passes
     ind = {p.name: p for p in graph_plans(get_kind("ngram"), tr, 8, S, backend="inductor")}
-    assert ind["step"].pipeline.names == ["matvec", "tree_attention", "tree_inputs", "accept", "compact_kv"]
+    assert ind["step_greedy"].passes == ["matvec", "tree_attention", "tree_inputs", "accept", "compact_kv"]
     tm = TargetModule(tiny_model("llama", seed=2), S)
-    ep = build_program(plans["step"], {"target": tm}, {}, tr)
+    built = {}
     n_layers = len(tm.blocks)
-    assert count(ep, lambda t: t is ops.tree_attention.default) == n_layers
-    assert count(ep, lambda t: t is ops.compact_kv_.default) == 2 * n_layers  # one per k and v cache
-    assert count(ep, lambda t: t is SDPA) == 0
-    # The verify pass decides acceptance with the accept ops, inside the branches of its torch.cond.
-    branches = [m for m in ep.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
-    called = {str(n.target) for m in branches for n in m.graph.nodes if n.op == "call_function"}
-    assert {"specc.tree_accept_greedy.default", "specc.tree_accept_sample.default"} <= called
+    for mode, accept_op in (("greedy", "specc.tree_accept_greedy.default"),
+                            ("sample", "specc.tree_accept_sample.default"),
+                            ("top_p", "specc.tree_accept_sample.default")):
+        ep = build_program(plans[f"step_{mode}"], {"target": tm}, built, tr)
+        assert count(ep, lambda t: t is ops.tree_attention.default) == n_layers
+        assert count(ep, lambda t: t is ops.compact_kv_.default) == 2 * n_layers  # one per k and v cache
+        assert count(ep, lambda t: t is SDPA) == 0
+        # One graph per mode: no run-time branch (torch.cond), only this mode's acceptance op, and
+        # the sort of top-p only where top-p is on.
+        modules = [m for m in ep.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
+        assert len(modules) == 1
+        called = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+        assert not any("cond" in c for c in called), called
+        assert {c for c in called if c.startswith("specc.tree_accept")} == {accept_op}
+        assert any(c.startswith("aten.sort") for c in called) == (mode == "top_p")
 
 
 def test_aoti_inlines_the_ops(tmp_path):

@@ -17,6 +17,7 @@ from specc.drafters import get_kind  # noqa: E402
 from specc.pipeline import capture  # noqa: E402
 from specc.plans import GraphPlan, build_program, graph_plans  # noqa: E402
 from specc.target_module import NEG_INF, TargetModule, causal_mask, module_state  # noqa: E402
+from specc.signature import MODES, mode_of, sampling_inputs  # noqa: E402
 from specc.passes.compact_kv import compact_kv  # noqa: E402
 from specc.passes.matvec import matvec  # noqa: E402
 from specc.passes.tree_inputs import TreeInputs, tree_inputs  # noqa: E402
@@ -155,14 +156,25 @@ def test_tree_inputs_logits_match_hf_on_each_path(model, name):
 
 @pytest.fixture(scope="module", params=["topk2x2", "irregular"])
 def step(request, model, tmp_path_factory):
-    """The decode-step program of graph_plans (tree_attention -> tree_inputs -> accept -> compact_kv), dumped."""
+    """The decode-step programs of graph_plans (tree_attention -> tree_inputs -> accept -> compact_kv),
+    one per mode over one capture, dumped; called as one graph that picks the mode's program."""
     tree = TREES[request.param]
-    (plan,) = [p for p in graph_plans(get_kind("ngram"), tree, 8, S) if p.name == "step"]
-    assert plan.T == tree.size and plan.pipeline.names == ["tree_attention", "tree_inputs", "accept", "compact_kv"]
+    plans = [p for p in graph_plans(get_kind("ngram"), tree, 8, S) if p.name.startswith("step_")]
+    assert [p.mode for p in plans] == list(MODES)
+    for plan in plans:
+        assert plan.T == tree.size and plan.passes == ["tree_attention", "tree_inputs", "accept", "compact_kv"]
     tm = TargetModule(model, S)
     dump = tmp_path_factory.mktemp("dump")
-    ep = build_program(plan, {"target": tm}, {}, tree, dump)
-    return request.param, tree, tm, EagerGraph(ep, module_state(tm)), dump
+    built = {}
+    graphs = {p.mode: EagerGraph(build_program(p, {"target": tm}, built, tree, dump), module_state(tm))
+              for p in plans}
+    assert len(built) == 1  # the modes share the capture and the mode-free passes
+
+    def graph(tokens, base_len, temperature, top_p, uniforms):
+        mode = mode_of(float(temperature), float(top_p))
+        return graphs[mode](tokens, base_len, *sampling_inputs(mode, temperature, top_p, uniforms))
+
+    return request.param, tree, tm, graph, dump
 
 
 GREEDY_PATHS = {
@@ -253,10 +265,19 @@ def test_compact_kv_is_identity_on_chains(model):
 
 @pytest.fixture(scope="module")
 def prefill_program(model):
-    (plan,) = [p for p in graph_plans(get_kind("none"), chain(0), 8, S) if p.name == "prefill"]
-    assert plan.T == 8 and plan.pipeline.names == ["tree_inputs", "sample_last"]
+    plans = [p for p in graph_plans(get_kind("none"), chain(0), 8, S, modes=("greedy", "sample"))
+             if p.name.startswith("prefill_")]
+    assert [p.T for p in plans] == [8, 8] and plans[0].passes == ["tree_inputs", "sample_last"]
     tm = TargetModule(model, S)
-    return tm, EagerGraph(build_program(plan, {"target": tm}, {}, chain(0)), module_state(tm))
+    built = {}
+    graphs = [EagerGraph(build_program(p, {"target": tm}, built, chain(0)), module_state(tm)) for p in plans]
+
+    def graph(tokens, base_len, n_valid, temperature, top_p, uniforms):  # top_p 1 here: greedy or sample
+        if float(temperature) == 0:
+            return graphs[0](tokens, base_len, n_valid)
+        return graphs[1](tokens, base_len, n_valid, temperature, uniforms)
+
+    return tm, graph
 
 
 @pytest.mark.parametrize("length", [1, 5, 8, 13])
@@ -320,13 +341,17 @@ def test_matvec_rewrites_few_row_linears_only(arch, T):
 def test_pipeline_dumps_every_pass(step):
     _, _, _, _, dump = step
     names = ["00-capture", "01-tree_attention", "02-tree_inputs", "03-accept", "04-compact_kv"]
-    files = sorted(p.name for p in dump.iterdir())
-    assert files == [f"step.{n}.txt" for n in names]
-    for n in names:
-        text = (dump / f"step.{n}.txt").read_text()
-        assert "# input" in text and "# output" in text and "def forward" in text
-    assert "index_copy" in (dump / "step.00-capture.txt").read_text()
-    assert "USER_INPUT" in (dump / "step.02-tree_inputs.txt").read_text()
+    files = sorted(p.name for p in dump.iterdir() if p.is_file())
+    assert files == sorted(f"step_{mode}.{n}.txt" for mode in MODES for n in names)
+    for mode in MODES:
+        for n in names:
+            text = (dump / f"step_{mode}.{n}.txt").read_text()
+            assert "# input" in text and "# output" in text and "def forward" in text
+        assert "index_copy" in (dump / f"step_{mode}.00-capture.txt").read_text()
+        assert "USER_INPUT" in (dump / f"step_{mode}.02-tree_inputs.txt").read_text()
+    # The greedy graph takes no sampling inputs; the sample graph no top-p.
+    inputs = lambda mode: (dump / f"step_{mode}.04-compact_kv.txt").read_text().count("USER_INPUT")  # noqa: E731
+    assert (inputs("greedy"), inputs("sample"), inputs("top_p")) == (2, 4, 5)
 
 
 def test_pipeline_run_order_and_labels(model, tmp_path):

@@ -61,7 +61,7 @@ def g_test(samples: list[tuple], probs: np.ndarray) -> float:
 def sample_runs(root, tmp_path, tree="chain:3"):
     path = specc.compile(root / "target", drafter="draft-model", drafter_path=root / "draft", tree=tree,
                          backend="eager", output_dir=tmp_path / "engine", max_len=32, prefill_chunk=4,
-                         progress=False)
+                         progress=False, modes="sample")
     engine = specc.load(path)
     out, steps = [], 0
     for seed in range(RUNS):
@@ -81,9 +81,11 @@ def test_speculative_sampling_matches_target(models, tmp_path):
 
 def test_wrong_acceptance_rule_is_detected(models, tmp_path, monkeypatch):
     """Negative control: accepting drafts with probability min(1, 2 p(x)) must fail the same test."""
-    def over_accepting(logits, tokens, parents, children, temperature, top_p, uniforms, draft_probs=None):
+    def over_accepting(logits, tokens, parents, children, temperature, top_p, uniforms, draft_probs=None, mode=None):
+        if mode == "greedy":  # the draft model's graphs
+            return accept(logits, tokens, parents, children, temperature, top_p, uniforms, draft_probs, mode=mode)
         u = torch.cat([uniforms[:-1] * 0.5, uniforms[-1:]])
-        return accept(logits, tokens, parents, children, temperature, top_p, u, draft_probs)
+        return accept(logits, tokens, parents, children, temperature, top_p, u, draft_probs, mode=mode)
 
     monkeypatch.setattr(accept_pass, "accept_tree", over_accepting)
     root, target = models
@@ -100,7 +102,7 @@ def tree_samples(root, target, tmp_path, children):
     dpath, _ = random_dflash(target, tmp_path / "dflash", block=3)
     path = specc.compile(root / "target", drafter="dflash", drafter_path=dpath, tree="topk:2,2", backend="eager",
                          output_dir=tmp_path / "engine", max_len=32, prefill_chunk=4, progress=False,
-                         children=children)
+                         children=children, modes="sample")
     engine = specc.load(path)
     samples, branched = [], 0
     for seed in range(RUNS):
@@ -127,12 +129,12 @@ def test_sampled_children_with_a_wrong_q_are_detected(models, tmp_path, monkeypa
     uniform distribution (not the drafter's q they came from) must fail the same test."""
     traced_with_q = []
 
-    def wrong_q(logits, tokens, parents, children, temperature, top_p, uniforms, draft_probs=None):
+    def wrong_q(logits, tokens, parents, children, temperature, top_p, uniforms, draft_probs=None, mode=None):
         if draft_probs is None:  # the plain graph (a tree without drafts)
-            return accept(logits, tokens, parents, children, temperature, top_p, uniforms)
+            return accept(logits, tokens, parents, children, temperature, top_p, uniforms, mode=mode)
         traced_with_q.append(1)
         return accept(logits, tokens, parents, children, temperature, top_p, uniforms,
-                      torch.full_like(draft_probs, 1.0 / V))
+                      torch.full_like(draft_probs, 1.0 / V), mode=mode)
 
     monkeypatch.setattr(accept_pass, "accept_tree", wrong_q)
     root, target = models

@@ -13,7 +13,7 @@ def test_reader_matches_torchs(tiny_model_dir, tmp_path):
     from torch._export.serde.serialize import _dict_to_dataclass
 
     path = specc.compile(tiny_model_dir, drafter="ngram", tree="topk:2,2", output_dir=tmp_path / "e", max_len=32,
-                         prefill_chunk=4, progress=False)
+                         prefill_chunk=4, progress=False, modes="greedy")
     manifest = json.loads((path / "specc.json").read_text())
     for name, entry in manifest["graphs"].items():
         data = json.loads((path / entry["file"]).read_text())

@@ -84,7 +84,7 @@ def check_engine(path, reference, speculative: bool, prompts: int = len(PROMPTS)
 def test_greedy_identical_to_hf(reference, tmp_path, backend, drafter, tree, prompts):
     kw = {"drafter_layers": 6} if drafter == "draft-model" else {}
     path = specc.compile(None, drafter=drafter, tree=tree, backend=backend, output_dir=tmp_path / "engine",
-                         max_len=512, progress=False, **kw)
+                         max_len=512, progress=False, modes="greedy", **kw)
     check_engine(path, reference(), drafter != "none", prompts, plain_too=backend == "inductor")
 
 
@@ -96,6 +96,6 @@ def test_shipped_drafters_greedy_identical_to_hf(reference, tmp_path, drafter):
 
     assert shipped_drafter(drafter) is not None, f"the shipped {drafter} drafter is missing from specc/assets"
     path = specc.compile(None, drafter=drafter, backend="eager", output_dir=tmp_path / "engine", max_len=512,
-                         progress=False)
+                         progress=False, modes="greedy")
     # Three of the five prompts (code, prose, chat template): the eager drafter graphs are slow (suite time).
     check_engine(path, reference(), speculative=True, prompts=3)

@@ -81,7 +81,8 @@ def test_engine_with_trained_drafter_is_lossless(smoke_run, tmp_path):
     out, res = smoke_run
     target_dir = res["smoke_target"]
     engine = specc.load(specc.compile(target_dir, drafter="dflash", drafter_path=out, tree="chain:3",
-                                      output_dir=tmp_path / "e", max_len=128, prefill_chunk=16, progress=False))
+                                      output_dir=tmp_path / "e", max_len=128, prefill_chunk=16, progress=False,
+                                      modes="greedy"))
     model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     for prompt in ("Write a short poem about the sea.", "def add(a, b):"):
         res = engine.generate(prompt, max_new_tokens=24, chat=True, stop_at_eos=False)

@@ -59,7 +59,8 @@ def test_dflash_tree_drafts_are_ranked_candidates(tmp_path):
     model.save_pretrained(tmp_path / "m")
     dpath, d = random_dflash(model, tmp_path / "dflash", block=4)
     engine = specc.load(specc.compile(tmp_path / "m", drafter="dflash", drafter_path=dpath, tree=tree_file(tmp_path),
-                                      output_dir=tmp_path / "e", max_len=64, prefill_chunk=8, progress=False))
+                                      output_dir=tmp_path / "e", max_len=64, prefill_chunk=8, progress=False,
+                                      modes="greedy"))
     assert json.loads((engine.path / "specc.json").read_text())["drafter"]["block_size"] == 4  # depth 3 + anchor
     seen = record_proposals(engine)
     for prompt in (PROMPT, PROMPT[:3]):
@@ -78,7 +79,8 @@ def test_mtp_tree_drafts_are_ranked_candidates(tmp_path):
 
     model, dpath, heads = mtp_target(tmp_path)
     engine = specc.load(specc.compile(tmp_path / "m", drafter="mtp", drafter_path=dpath, tree=tree_file(tmp_path),
-                                      output_dir=tmp_path / "e", max_len=64, prefill_chunk=8, progress=False))
+                                      output_dir=tmp_path / "e", max_len=64, prefill_chunk=8, progress=False,
+                                      modes="greedy"))
     seen = record_proposals(engine)
     for prompt in (PROMPT, PROMPT * 2):
         res = engine.generate(prompt, max_new_tokens=20, stop_at_eos=False)
@@ -93,7 +95,8 @@ def test_ngram_tree_greedy_identical(tmp_path, tree):
     model = tiny_model("qwen3", vocab=64, layers=2, seed=1)
     model.save_pretrained(tmp_path / "m")
     engine = specc.load(specc.compile(tmp_path / "m", drafter="ngram", tree=tree or tree_file(tmp_path),
-                                      output_dir=tmp_path / "e", max_len=96, prefill_chunk=8, progress=False))
+                                      output_dir=tmp_path / "e", max_len=96, prefill_chunk=8, progress=False,
+                                      modes="greedy"))
     prompt = PROMPT * 3
     res = engine.generate(prompt, max_new_tokens=30, stop_at_eos=False)
     assert res.token_ids == hf_greedy(model, prompt, 30)
@@ -115,7 +118,7 @@ def test_sequoia_tree_from_calibration(tmp_path, quick_calibration):
     keeps the table, and greedy output still equals the target's."""
     model, dpath, _ = mtp_target(tmp_path)
     path = specc.compile(tmp_path / "m", drafter="mtp", drafter_path=dpath, tree="sequoia:6",
-                         output_dir=tmp_path / "e", max_len=96, prefill_chunk=8, progress=False)
+                         output_dir=tmp_path / "e", max_len=96, prefill_chunk=8, progress=False, modes="greedy")
     tree = json.loads((path / "specc.json").read_text())["tree"]
     assert tree["spec"] == "sequoia:6" and len(tree["paths"]) <= 6
     assert len(tree["acceptance"]) == 4 and tree["calibration"]["steps"] > 0
@@ -128,7 +131,7 @@ def test_sequoia_tree_from_calibration(tmp_path, quick_calibration):
 def test_auto_reports_candidates(tmp_path, quick_calibration):
     model, dpath, _ = mtp_target(tmp_path)
     path = specc.compile(tmp_path / "m", drafter="mtp", drafter_path=dpath, tree="auto",
-                         output_dir=tmp_path / "e", max_len=96, prefill_chunk=8, progress=False)
+                         output_dir=tmp_path / "e", max_len=96, prefill_chunk=8, progress=False, modes="greedy")
     tree = json.loads((path / "specc.json").read_text())["tree"]
     rows = tree["candidates"]
     assert tree["spec"] == "auto" and len(rows) >= 2
@@ -167,13 +170,14 @@ def test_fused_step_equals_unfused(tmp_path, kind, backend, tree, children):
         dpath, _ = random_dflash(model, tmp_path / "d", block=4)
     path = specc.compile(tmp_path / "m", drafter=kind, drafter_path=dpath, tree=tree or tree_file(tmp_path),
                          backend=backend, output_dir=tmp_path / "e", max_len=96, prefill_chunk=8, progress=False,
-                         children=children)
+                         children=children, modes="greedy,sample")
     engine = specc.load(path)
-    assert "fused" in engine.graphs
+    assert {"fused_greedy", "fused_sample"} <= set(engine.graphs)
     assert engine.manifest["drafter"]["children"] == children
     calls = []
-    fused = engine.graphs["fused"]
-    engine.graphs["fused"] = lambda *a: calls.append(1) or fused(*a)
+    for name in ("fused_greedy", "fused_sample"):
+        fused = engine.graphs[name]
+        engine.graphs[name] = lambda *a, fused=fused: calls.append(1) or fused(*a)
     runs = {}
     for use in (True, False):
         engine.use_fused = use
@@ -192,6 +196,7 @@ def test_sequoia_refuses_when_nothing_was_accepted(tmp_path, monkeypatch):
     model.save_pretrained(tmp_path / "m")
     monkeypatch.setattr(cal, "measure", lambda *a, **k: ([[0.0] * 4] * 3, 3, {}))
     with pytest.raises(SpeccError, match="no draft the target ever accepted"):
-        specc.compile(tmp_path / "m", drafter="ngram", tree="sequoia:4", output_dir=tmp_path / "e", progress=False)
+        specc.compile(tmp_path / "m", drafter="ngram", tree="sequoia:4", output_dir=tmp_path / "e", progress=False,
+                      modes="greedy")
     assert not (tmp_path / "e").exists()
     assert [p.name for p in tmp_path.iterdir() if ".calibrate-" in p.name] == []

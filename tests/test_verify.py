@@ -23,6 +23,7 @@ from specc.acceptance import (
     sampling_probs,
     tree_depth,
 )
+from specc.signature import MODES, mode_of
 
 SETTINGS = settings(
     max_examples=150,
@@ -448,12 +449,24 @@ def test_lossless_exact_integration_single_child():
 
 
 class AcceptModule(torch.nn.Module):
-    def __init__(self, parents):
+    def __init__(self, parents, mode=None):
         super().__init__()
-        self.parents = tuple(parents)
+        self.parents, self.mode = tuple(parents), mode
 
     def forward(self, logits, tokens, children, temperature, top_p, uniforms):
-        return accept(logits, tokens, self.parents, children, temperature, top_p, uniforms)
+        return accept(logits, tokens, self.parents, children, temperature, top_p, uniforms, mode=self.mode)
+
+
+def export_per_mode(make, example) -> dict:
+    """One exported program per mode (what an engine holds): none holds a run-time branch."""
+    out = {}
+    for mode in MODES:
+        ep = torch.export.export(make(mode), example, strict=False)
+        targets = {str(n.target) for n in ep.graph_module.graph.nodes}
+        assert not any("cond" in s for s in targets), mode  # the mode is static: no torch.cond
+        assert any("sort" in s for s in targets) == (mode == "top_p"), mode
+        out[mode] = ep
+    return out
 
 
 @pytest.mark.parametrize("paths", [[(0, 0, 1), (0, 1), (1,), (2, 0)], []])
@@ -469,11 +482,9 @@ def test_export_matches_eager(paths):
     uniforms = torch.rand(t + 1, generator=gen)
     mod = AcceptModule(parents)
     example = (logits, tokens, children, torch.tensor(1.0), torch.tensor(0.9), uniforms)
-    ep = torch.export.export(mod, example, strict=False)
-    targets = {str(n.target) for n in ep.graph_module.graph.nodes}
-    assert any("cond" in s for s in targets)  # a run-time branch, not specialised
-    exported = ep.module()
+    programs = export_per_mode(lambda mode: AcceptModule(parents, mode), example)
     for temp, top_p in [(0.0, 1.0), (1.0, 0.9), (0.7, 1.0), (2.0, 0.5)]:
+        exported = programs[mode_of(temp, top_p)].module()
         for trial in range(3):
             u = torch.rand(t + 1, generator=gen)
             args = (logits, tokens, children, torch.tensor(temp), torch.tensor(top_p), u)
@@ -488,7 +499,7 @@ def test_export_matches_eager(paths):
             assert _as_tuple(got) == ref
     if len(paths) > 0:
         # greedy with argmax drafts accepts a full path
-        n = exported(logits, tokens, children, torch.tensor(0.0), torch.tensor(1.0), uniforms)[0]
+        n = programs["greedy"].module()(logits, tokens, children, torch.tensor(0.0), torch.tensor(1.0), uniforms)[0]
         assert int(n) == tree_depth(parents)
 
 
@@ -680,13 +691,13 @@ def test_sampled_bad_draft_shape():
 
 
 class AcceptSampledModule(torch.nn.Module):
-    def __init__(self, parents):
+    def __init__(self, parents, mode=None):
         super().__init__()
-        self.parents = tuple(parents)
+        self.parents, self.mode = tuple(parents), mode
 
     def forward(self, logits, tokens, children, draft_probs, temperature, top_p, uniforms):
         return accept(logits, tokens, self.parents, children, temperature, top_p, uniforms,
-                      draft_probs=draft_probs)
+                      draft_probs=draft_probs, mode=self.mode)
 
 
 @pytest.mark.parametrize("paths", [[(0, 0, 1), (0, 1), (1,), (2, 0)], []])
@@ -703,21 +714,20 @@ def test_export_sampled_matches_eager(paths):
     uniforms = torch.rand(t + 1, generator=gen)
     mod = AcceptSampledModule(parents)
     example = (logits, tokens, children, q, torch.tensor(1.0), torch.tensor(0.9), uniforms)
-    ep = torch.export.export(mod, example, strict=False)
-    targets = {str(n.target) for n in ep.graph_module.graph.nodes}
-    assert any("cond" in s for s in targets)  # a run-time branch, not specialised
-    # static shapes: no symbolic size anywhere in the graph
-    for node in ep.graph_module.graph.nodes:
-        val = node.meta.get("val")
-        vals = val if isinstance(val, (tuple, list)) else [val]
-        for item in vals:
-            if isinstance(item, torch.Tensor):
-                assert all(isinstance(d, int) for d in item.shape), node
-    out_shapes = [tuple(x.meta["val"].shape) for x in
-                  next(iter(n for n in ep.graph.nodes if n.op == "output")).args[0]]
-    assert out_shapes == [(), (depth + 1,), (depth + 1,)]
-    exported = ep.module()
+    programs = export_per_mode(lambda mode: AcceptSampledModule(parents, mode), example)
+    for ep in programs.values():
+        # static shapes: no symbolic size anywhere in the graph
+        for node in ep.graph_module.graph.nodes:
+            val = node.meta.get("val")
+            vals = val if isinstance(val, (tuple, list)) else [val]
+            for item in vals:
+                if isinstance(item, torch.Tensor):
+                    assert all(isinstance(d, int) for d in item.shape), node
+        out_shapes = [tuple(x.meta["val"].shape) for x in
+                      next(iter(n for n in ep.graph.nodes if n.op == "output")).args[0]]
+        assert out_shapes == [(), (depth + 1,), (depth + 1,)]
     for temp, top_p in [(0.0, 1.0), (1.0, 0.9), (0.7, 1.0), (2.0, 0.5)]:
+        exported = programs[mode_of(temp, top_p)].module()
         for trial in range(3):
             u = torch.rand(t + 1, generator=gen)
             args = (logits, tokens, children, q, torch.tensor(temp), torch.tensor(top_p), u)

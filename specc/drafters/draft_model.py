@@ -3,11 +3,13 @@ or the target's own first N layers (`--drafter-layers N`), decoding greedily wit
 Its graphs are the target's prefill and plain graphs, captured over the draft model."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..errors import SpeccError
 from ..models import load_model
-from ..plans import GraphPlan, decode_pipeline, prefill_pipeline
+from ..plans import GraphPlan, decode_plans, prefill_plans
 from ..prefill import prefill
 from ..target_module import TargetModule
 from ..tree import Tree, chain
@@ -67,9 +69,11 @@ def module(weights, target: TargetModule, entry: dict, tree: Tree, cache_len: in
     return TargetModule(model, cache_len, n_layers=layers, share=target if name is None else None)
 
 
-def plans(tree: Tree, chunk: int, cache_len: int, backend: str, sampled) -> list[GraphPlan]:
-    return [GraphPlan("draft_prefill", "draft", chunk, prefill_pipeline(chunk, cache_len, backend)),
-            GraphPlan("draft_step", "draft", 1, decode_pipeline(chain(0), cache_len, backend))]
+def plans(tree: Tree, chunk: int, cache_len: int, backend: str, sampled, modes) -> list[GraphPlan]:
+    # The draft model drafts greedily whatever the generation's mode: one greedy graph serves every mode.
+    greedy = (prefill_plans("draft_prefill", "draft", chunk, cache_len, backend, ("greedy",))
+              + decode_plans("draft_step", "draft", chain(0), cache_len, backend, ("greedy",)))
+    return [replace(p, name=p.base.name, mode=None) for p in greedy]
 
 
 def runtime(graphs: dict, tree: Tree, entry: dict, chunk: int, device):
@@ -86,17 +90,13 @@ class DraftModelDrafter:
             raise SpeccError("the draft-model drafter proposes a chain in this version; use --tree chain:K.")
         self.k, self.prefill_graph, self.step_graph, self.chunk = tree.size - 1, prefill_graph, step_graph, chunk
         self.device = device
-        self.zero, self.one = torch.tensor(0.0, device=device), torch.tensor(1.0, device=device)
-        self.u1 = torch.zeros(2, device=device)
 
-    def start(self, prompt_ids: list[int], temperature, top_p, gen=None) -> None:
-        prefill(prompt_ids, self.prefill_graph, self.step_graph, self.chunk, self.zero, self.one, torch.Generator(),
-                device=self.device)
+    def start(self, prompt_ids: list[int], mode: str, temperature, top_p, gen=None) -> None:
+        prefill(prompt_ids, self.prefill_graph, self.step_graph, self.chunk, "greedy", device=self.device)
         self.cached = len(prompt_ids)  # tokens whose K/V the drafter holds
 
     def _next(self, token: int, pos: int) -> int:
-        _, _, out = self.step_graph(torch.tensor([token], device=self.device), torch.tensor(pos, device=self.device),
-                                    self.zero, self.one, self.u1)
+        _, _, out = self.step_graph(torch.tensor([token], device=self.device), torch.tensor(pos, device=self.device))
         return int(out[0])
 
     def propose(self, committed: list[int]) -> tuple[list[int], bool]:

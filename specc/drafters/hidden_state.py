@@ -6,7 +6,7 @@ import torch
 
 from ..plans import GraphPlan, start
 from ..pipeline import Pipeline
-from ..signature import DraftSignature, SampledChildren
+from ..signature import DraftSignature, SampledChildren, graph_name, graphs_for_mode
 from ..tree import Tree
 
 
@@ -18,18 +18,22 @@ def sampled_entry(children: str, q_rows: int, width: int) -> dict:
     return out
 
 
-def plans(tree: Tree, chunk: int, backend: str) -> list[GraphPlan]:
+def plans(tree: Tree, chunk: int, backend: str, sampled: SampledChildren | None, modes) -> list[GraphPlan]:
     # Rows of a prefill chunk and of one step (at most the tree's size are committed); then the
-    # fused step: verify + accept + the drafter's update and next drafts in one graph.
-    return [GraphPlan("draft_prefill", "draft", chunk, start(backend)),
-            GraphPlan("draft_step", "draft", tree.size, start(backend)),
-            GraphPlan("fused", "fused", tree.size, Pipeline(), fuse=("step", "draft_step"))]
+    # fused step: verify + accept + the drafter's update and next drafts in one graph. Top-k
+    # drafters have one pair of graphs for every mode; sampled children one per mode.
+    out = []
+    for m in (modes if sampled is not None else (None,)):
+        out += [GraphPlan(graph_name("draft_prefill", m), "draft", chunk, start(backend), mode=m),
+                GraphPlan(graph_name("draft_step", m), "draft", tree.size, start(backend), mode=m)]
+    draft_step = (lambda m: graph_name("draft_step", m if sampled is not None else None))
+    return out + [GraphPlan(graph_name("fused", m), "fused", tree.size, Pipeline(),
+                            fuse=(graph_name("step", m), draft_step(m)), mode=m) for m in modes]
 
 
 def runtime(graphs: dict, tree: Tree, entry: dict, chunk: int, device) -> "HiddenStateDrafter":
     sampled = SampledChildren.from_entry(entry, vocab=0)  # the calling convention needs no vocabulary
-    return HiddenStateDrafter(tree, graphs["draft_prefill"], graphs["draft_step"], chunk, device,
-                              DraftSignature(sampled))
+    return HiddenStateDrafter(tree, graphs, chunk, device, sampled)
 
 
 class HiddenStateDrafter:
@@ -44,21 +48,25 @@ class HiddenStateDrafter:
 
     needs_rows = True
 
-    def __init__(self, tree: Tree, prefill_graph, step_graph, chunk: int, device, signature: DraftSignature):
+    def __init__(self, tree: Tree, graphs: dict, chunk: int, device, sampled: SampledChildren | None):
         self.k = tree.size - 1  # the step graph returns one draft per non-root node
-        self.device, self.signature = device, signature
-        # Sampled children: the graphs also take (temperature, top_p, uniforms) and return q beside
-        # the drafts; the last proposal's q is what the step graph verifies against.
-        self.n_uniforms = signature.sampled.uniforms if signature.sampled is not None else 0
+        self.device, self.graphs, self.sampled = device, graphs, sampled
+        self.chunk, self.step_rows = chunk, tree.size
         self.q = None
-        self.chunk, self.prefill_graph = chunk, prefill_graph
-        self.step_rows, self.step_graph = tree.size, step_graph
 
-    def start(self, prompt_ids: list[int], temperature, top_p, gen=None) -> None:
-        """temperature, top_p: 0-d tensors on the engine's device; gen: the runtime's CPU generator."""
+    def start(self, prompt_ids: list[int], mode: str, temperature, top_p, gen=None) -> None:
+        """mode: the generation's; temperature, top_p: 0-d tensors on the engine's device; gen: the
+        runtime's CPU generator."""
+        # Sampled children in a sampling mode: the graphs also take the mode's sampling inputs and
+        # return q beside the drafts; the last proposal's q is what the step graph verifies against.
+        self.signature = DraftSignature(self.sampled, mode)
+        self.n_uniforms = self.signature.sampled.uniforms if self.signature.sampled is not None else 0
+        graphs = graphs_for_mode(self.graphs, mode)
+        self.prefill_graph, self.step_graph = graphs["draft_prefill"], graphs["draft_step"]
         self.pending: list[torch.Tensor] = []  # rows not yet in the drafter's cache
         self.pending_start = 0  # position of the first pending row
         self.sampling = (temperature, top_p, gen)
+        self.q = None
 
     def add_rows(self, rows: torch.Tensor, start: int) -> None:
         """rows [n, width]: the hidden rows of committed tokens at positions start..start+n-1."""

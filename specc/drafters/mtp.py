@@ -66,8 +66,8 @@ def module(heads, target: TargetModule, entry: dict, tree: Tree, cache_len: int)
                    tree.max_depth, tree, sampled=entry["children"] == "sampled")
 
 
-def plans(tree: Tree, chunk: int, cache_len: int, backend: str, sampled) -> list:
-    return hidden_state.plans(tree, chunk, backend)
+def plans(tree: Tree, chunk: int, cache_len: int, backend: str, sampled, modes) -> list:
+    return hidden_state.plans(tree, chunk, backend, sampled, modes)
 
 
 def runtime(graphs: dict, tree: Tree, entry: dict, chunk: int, device):

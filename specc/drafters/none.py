@@ -35,7 +35,7 @@ def module(weights, target, entry, tree, cache_len):
     return None
 
 
-def plans(tree, chunk, cache_len, backend, sampled) -> list:
+def plans(tree, chunk, cache_len, backend, sampled, modes) -> list:
     return []
 
 
