@@ -37,6 +37,7 @@ from specc import benchfile
 from specc.bench import engine_label
 from specc.data import load_prompts
 from specc.prefill import tap_rows
+from specc.signature import split_report
 
 
 def decode_ms_per_step(r) -> float:
@@ -53,11 +54,12 @@ def step_calls(engine, ids: list[int], calls: int) -> tuple[float, float]:
     args = lambda: (tokens, torch.tensor(base))  # noqa: E731  (greedy graphs: no sampling inputs)
 
     def fused():
-        n, path, out, drafts = graphs["fused_greedy"](*args())
-        return int(n), drafts.tolist()
+        report, _, tokens = graphs["fused_greedy"](*args())
+        return report.tolist(), tokens
 
     def unfused():
-        n, path, out, *taps = graphs["step_greedy"](*args())
+        report, _, _, *taps = graphs["step_greedy"](*args())
+        n, path, _ = split_report(report)
         n = int(n)
         drafter.start(ids, "greedy", 0.0, 1.0)  # nothing pending: this step's rows are the ones to flush
         drafter.add_rows(tap_rows(taps, path[: n + 1]), base)

@@ -6,6 +6,7 @@ from torch import nn
 
 import specc.kernels  # noqa: F401  (registers torch.ops.specc.compact_kv_)
 from specc.pipeline import example_inputs, capture
+from specc.signature import split_report
 from specc.tree import Tree
 
 
@@ -16,13 +17,14 @@ class CompactKV(nn.Module):
         self.cache_names = [n for n, _ in inner.named_buffers() if n.endswith(("k_cache", "v_cache"))]
 
     def forward(self, tokens, base_len, *rest):  # rest: the StepSignature inputs after these two
-        n, path, out, *taps = self.inner(tokens, base_len, *rest)
+        report, *outputs = self.inner(tokens, base_len, *rest)
+        _, path, _ = split_report(report)
         # Slot base_len + i receives node path[i]: an accepted node's index is at least its depth, and
         # the padding repeats the last node, so the op's in-place precondition holds (specc/kernels/compact_kv.py).
         src = base_len + path
         for name in self.cache_names:
             torch.ops.specc.compact_kv_(self.inner.get_buffer(name), src, base_len)
-        return (n, path, out, *taps)
+        return (report, *outputs)
 
 
 def compact_kv(ep: torch.export.ExportedProgram, tree: Tree) -> torch.export.ExportedProgram:

@@ -12,27 +12,29 @@ import torch
 from torch import nn
 
 from specc.pipeline import capture
-from specc.signature import DraftSignature, StepSignature
+from specc.signature import DraftSignature, StepSignature, split_report
 from specc.tree import Tree
 
 
 class FusedStep(nn.Module):
-    def __init__(self, verify_step: nn.Module, draft_step: nn.Module, tree: Tree, draft: DraftSignature):
+    def __init__(self, verify_step: nn.Module, draft_step: nn.Module, tree: Tree, draft: DraftSignature,
+                 table: tuple[int, int] | None = None):
         super().__init__()
         # `inner` keeps the target's tensor names canonical (see pipeline.canonical_name); the
         # drafter's tensors are named "draft.<its own name>".
         self.inner, self.draft, self.T = verify_step, draft_step, tree.size
-        self.verify_signature = StepSignature(tree.size, draft.sampled, mode=draft.mode)
-        self.signature = StepSignature(tree.size, draft.sampled, fused=True, mode=draft.mode)
+        self.verify_signature = StepSignature(tree.size, draft.sampled, mode=draft.mode, table=table)
+        self.signature = StepSignature(tree.size, draft.sampled, fused=True, mode=draft.mode, table=table)
         self.draft_signature = draft
 
-    def forward(self, tokens, base_len, *rest):  # rest: the mode's sampling inputs (+ draft_q, draft_uniforms)
-        # Sampled children: this tree's q goes to the verifier; the next tree is drawn with draft_uniforms.
-        s, draft_q, draft_uniforms = self.signature.parse(rest)
+    def forward(self, tokens, base_len, *rest):  # rest: the mode's sampling inputs (+ draft_q)
+        # Sampled children: this tree's q goes to the verifier; the next tree is drawn with the
+        # draws after this tree's in the table's row base_len (uniform_columns).
+        s, draft_q = self.signature.parse(rest)
         temperature, top_p, uniforms = s.temperature, s.top_p, s.uniforms
         step = self.verify_signature.unpack(self.inner(*self.verify_signature.args(
             tokens, base_len, temperature, top_p, uniforms, draft_q)))
-        n, path, out = step.n, step.path, step.out
+        n, path, out = split_report(step.report)
         # The root and the accepted nodes are now committed at base_len, base_len+1, ...: their
         # rows feed the drafter's cache. Rows past n (the path's padding, then zeros) are the
         # padding the drafter's step graph ignores. Row i pairs with the token after it, out[i]
@@ -41,17 +43,21 @@ class FusedStep(nn.Module):
         pad = self.T - rows.shape[0]
         rows = torch.cat((rows, rows.new_zeros(pad, rows.shape[1])))
         next_tokens = torch.cat((out, out.new_zeros(pad)))
+        draft_uniforms = None
+        if self.draft_signature.sampled is not None:
+            draft_uniforms = uniforms.index_select(0, base_len.view(1))[0, self.T + 1:]
         drafts, q = self.draft_signature.unpack(self.draft(*self.draft_signature.args(
             rows, next_tokens, base_len, n + 1, temperature, top_p, draft_uniforms)))
-        return self.signature.outputs(n, path, out, next_drafts=drafts, next_q=q)
+        return self.signature.outputs(n, path, out, base_len, next_drafts=drafts, next_q=q)
 
 
 def fuse_step(verify_ep: torch.export.ExportedProgram, draft_ep: torch.export.ExportedProgram, tree: Tree,
-              draft: DraftSignature) -> torch.export.ExportedProgram:
-    """Invariant: the program has the fused StepSignature of `draft.mode`: the target step's inputs
-    (plus draft_uniforms with sampled children in a sampling mode), outputs (n_accepted, path [D+1], out_tokens [D+1],
-    next_drafts [T-1] (+ next_q)); the target's KV cache ends as after the unfused step, and the
+              draft: DraftSignature, table: tuple[int, int] | None = None) -> torch.export.ExportedProgram:
+    """Invariant: the program has the fused StepSignature of `draft.mode`: the target step's inputs,
+    outputs (report [2D+3], next base_len [], the next tree's tokens [T] (its root: the bonus token;
+    then the drafts) (+ its q)); the target's KV cache ends as after the unfused step, and the
     drafter's cache and next drafts are exactly what its step graph (DraftSignature, T rows) gives
-    for the accepted rows (ctx_start = base_len, n_ctx = n + 1)."""
-    module = FusedStep(verify_ep.module(), draft_ep.module(), tree, draft)
+    for the accepted rows (ctx_start = base_len, n_ctx = n + 1) and, with sampled children, the
+    draws that follow this tree's in row base_len of the uniforms table."""
+    module = FusedStep(verify_ep.module(), draft_ep.module(), tree, draft, table)
     return capture(module, module.signature.example_inputs())

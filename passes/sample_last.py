@@ -19,18 +19,23 @@ class SampleLast(nn.Module):
     def forward(self, tokens, base_len, n_valid, *sampling_args):
         s = parse_sampling(sampling_args)
         logits, *taps = self.inner(tokens, base_len)
+        row = base_len + n_valid - 1  # the position of the chunk's last token: the next token's draws are its row
         last = logits[0].index_select(0, (n_valid - 1).view(1))
-        _, _, out = accept(last, tokens[:1], self.parents, self.child_table, s.temperature, s.top_p, s.uniforms,
+        uniforms = s.uniforms.index_select(0, row.view(1))[0, :2] if s.uniforms is not None else None
+        _, _, out = accept(last, tokens[:1], self.parents, self.child_table, s.temperature, s.top_p, uniforms,
                            mode=s.mode)
         return (out[0], *taps)
 
 
-def sample_last(ep: torch.export.ExportedProgram, mode: str = "greedy") -> torch.export.ExportedProgram:
+def sample_last(ep: torch.export.ExportedProgram, mode: str = "greedy",
+                table: tuple[int, int] = (1, 2)) -> torch.export.ExportedProgram:
     """Invariant: inputs are (tokens [C], base_len [], n_valid [], then the mode's sampling inputs
-    with uniforms [2]); the output is the next token after row n_valid - 1, drawn by the same rule
-    as a decode step of the mode (argmax when greedy). Rows past n_valid are padding whose cache
-    writes land beyond the committed length and are overwritten later."""
+    with the generation's uniforms table `table` (rows, cols)); the output is the next token after
+    row n_valid - 1, drawn by the same rule as a decode step of the mode (argmax when greedy) with
+    the first two draws of the table's row base_len + n_valid - 1 (the plain step whose root is the
+    chunk's last token would read the same). Rows past n_valid are padding whose cache writes land
+    beyond the committed length and are overwritten later."""
     tokens, base_len = example_inputs(ep)
     args = (tokens, base_len, torch.tensor(1),
-            *sampling_inputs(mode, torch.tensor(1.0), torch.tensor(0.5), torch.zeros(2)))
+            *sampling_inputs(mode, torch.tensor(1.0), torch.tensor(0.5), torch.zeros(table)))
     return capture(SampleLast(ep.module()), args)

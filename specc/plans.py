@@ -24,7 +24,7 @@ from specc.passes.tree_attention import tree_attention
 from specc.passes.tree_inputs import tree_inputs
 
 from .pipeline import Pipeline, capture
-from .signature import MODES, SampledChildren, graph_name
+from .signature import MODES, SampledChildren, graph_name, uniform_columns
 from .tree import Tree, chain
 
 MODULES = ("target", "draft", "fused")  # whose tensors a graph runs on: the fused step holds both
@@ -38,6 +38,7 @@ class GraphPlan:
     pipeline: Pipeline
     fuse: tuple[str, str] | None = None  # (verify graph, drafter graph) that fuse_step joins
     mode: str | None = None  # the sampling mode it is built for; None: one graph serves every mode
+    table: tuple[int, int] | None = None  # fused: the shape of the generation's uniforms table
     base: "GraphPlan | None" = None  # a first stage the modes share (captured once, never lowered)
 
     @property
@@ -51,34 +52,42 @@ def start(backend: str) -> Pipeline:
     return Pipeline().add("matvec", matvec) if backend == "inductor" else Pipeline()
 
 
-def prefill_plans(name: str, module: str, chunk: int, cache_len: int, backend: str, modes) -> list[GraphPlan]:
+def prefill_plans(name: str, module: str, chunk: int, cache_len: int, backend: str, modes,
+                  table: tuple[int, int] = (1, 2)) -> list[GraphPlan]:
     """A static chunk of prompt tokens -> the next token, one graph per mode over one shared capture."""
     base = GraphPlan(name, module, chunk, start(backend).add("tree_inputs",
                                                               lambda ep: tree_inputs(ep, chain(chunk - 1), cache_len)))
-    return [GraphPlan(graph_name(name, m), module, chunk, Pipeline().add("sample_last", partial(sample_last, mode=m)),
-                      mode=m, base=base) for m in modes]
+    return [GraphPlan(graph_name(name, m), module, chunk,
+                      Pipeline().add("sample_last", partial(sample_last, mode=m, table=table)), mode=m, base=base)
+            for m in modes]
 
 
 def decode_plans(name: str, module: str, tree: Tree, cache_len: int, backend: str, modes,
-                 sampled: SampledChildren | None = None) -> list[GraphPlan]:
+                 sampled: SampledChildren | None = None, table: tuple[int, int] = (1, 2)) -> list[GraphPlan]:
     """`tree` verified in one call, one graph per mode: the mode-free passes run once, then each
     mode's acceptance and KV compaction."""
     # tree_attention: the specc op runs SDPA itself on CPU and the Triton kernel on CUDA.
     base = GraphPlan(name, module, tree.size, start(backend).add("tree_attention", tree_attention)
                      .add("tree_inputs", lambda ep: tree_inputs(ep, tree, cache_len)))
     return [GraphPlan(graph_name(name, m), module, tree.size,
-                      Pipeline().add("accept", partial(accept, tree=tree, sampled=sampled, mode=m))
+                      Pipeline().add("accept", partial(accept, tree=tree, sampled=sampled, mode=m, table=table))
                       .add("compact_kv", lambda ep: compact_kv(ep, tree)), mode=m, base=base) for m in modes]
 
 
 def graph_plans(kind, tree: Tree, chunk: int, cache_len: int, backend: str = "eager",
                 sampled: SampledChildren | None = None, modes=MODES) -> list[GraphPlan]:
     """The engine's graphs for drafter `kind` (a module of specc.drafters), `tree` and sampling `modes`."""
-    plans = (prefill_plans("prefill", "target", chunk, cache_len, backend, modes)
-             + decode_plans("plain", "target", chain(0), cache_len, backend, modes))
+    table = uniform_table(cache_len, tree, sampled)  # every graph of a generation reads the one table
+    plans = (prefill_plans("prefill", "target", chunk, cache_len, backend, modes, table)
+             + decode_plans("plain", "target", chain(0), cache_len, backend, modes, table=table))
     if tree.size > 1:
-        plans += decode_plans("step", "target", tree, cache_len, backend, modes, sampled)
+        plans += decode_plans("step", "target", tree, cache_len, backend, modes, sampled, table)
     return plans + kind.plans(tree, chunk, cache_len, backend, sampled, modes)
+
+
+def uniform_table(cache_len: int, tree: Tree, sampled: SampledChildren | None) -> tuple[int, int]:
+    """The shape of an engine's uniforms table: a row per cache position (signature.uniform_columns)."""
+    return cache_len, uniform_columns(tree.size, sampled)
 
 
 def build_program(plan: GraphPlan, modules: dict[str, nn.Module], built: dict, tree: Tree,
@@ -88,7 +97,8 @@ def build_program(plan: GraphPlan, modules: dict[str, nn.Module], built: dict, t
     `built` under ("base", name)); a fused plan instead joins two programs already `built`."""
     if plan.fuse is not None:
         verify_name, draft_name = plan.fuse
-        ep = fuse_step(built[verify_name], built[draft_name], tree, modules["draft"].signature(plan.mode or "greedy"))
+        ep = fuse_step(built[verify_name], built[draft_name], tree, modules["draft"].signature(plan.mode or "greedy"),
+                       plan.table)
     elif plan.base is not None:
         key, base_dump = ("base", plan.base.name), Path(dump_dir) / ".base" if dump_dir else None
         if key not in built:

@@ -16,19 +16,18 @@ def tap_rows(taps, rows) -> torch.Tensor:
     return torch.cat([t[0].index_select(0, rows) for t in taps], dim=-1)
 
 
-def prefill(ids: list[int], chunk_graph, one_graph, chunk: int, mode: str, temperature=None, top_p=None, gen=None,
-            on_rows=None, device="cpu") -> int:
+def prefill(ids: list[int], chunk_graph, one_graph, chunk: int, mode: str, temperature=None, top_p=None,
+            table=None, on_rows=None, device="cpu") -> int:
     """Fill the cache with `ids` (static chunks, a short tail one token at a time) and return the
     token that follows them, drawn by the same rule as a decode step of `mode` (the graphs are that
-    mode's). `on_rows(rows, start)` receives the taps of the prompt's rows (when the graphs have
-    taps). The graphs' inputs are made on `device`; the random numbers come from the CPU generator
-    `gen` on every device, so a seed gives the same draws everywhere."""
+    mode's) with the draws of row len(ids) - 1 of the generation's uniforms `table` (in a sampling
+    mode). `on_rows(rows, start)` receives the taps of the prompt's rows (when the graphs have taps).
+    The graphs' inputs are made on `device`."""
     L = len(ids)
     dev = lambda v, **kw: torch.tensor(v, device=device, **kw)  # noqa: E731
 
     def sampling() -> tuple:
-        uniforms = torch.rand(2, generator=gen).to(device) if mode != "greedy" else None
-        return sampling_inputs(mode, temperature, top_p, uniforms)
+        return sampling_inputs(mode, temperature, top_p, table)
 
     tail = L % chunk
     chunked = L - tail if 0 < tail <= PLAIN_TAIL else L
@@ -42,7 +41,7 @@ def prefill(ids: list[int], chunk_graph, one_graph, chunk: int, mode: str, tempe
             on_rows(tap_rows(res[1:], torch.arange(len(piece), device=device)), start)
     for pos in range(chunked, L):
         res = one_graph(dev([ids[pos]]), dev(pos), *sampling())
-        first = res[2][0]
+        first = res[2][0]  # the root of the next call
         if on_rows is not None:
             on_rows(tap_rows(res[3:], torch.arange(1, device=device)), pos)
     return int(first)

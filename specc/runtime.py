@@ -1,9 +1,13 @@
 """The runtime: a thin host loop around the compiled graphs of one engine (batch 1).
 
-prefill (static chunks) -> first token -> repeat the step graph: inputs are the committed
-length, the tree's tokens (root = last committed token, then the drafts), the sampling
-parameters and uniform random numbers; outputs are the number of accepted drafts and the
-accepted tokens followed by the bonus token. One host/device sync per step.
+prefill (static chunks) -> first token -> repeat the step graph. A generation picks its mode's
+graphs (greedy / sample / top_p) and, when it samples, draws its whole table of uniforms once from
+the seeded generator on the CPU (the same draws on every device); the graphs index it by position.
+Each decode call returns what the next one takes (the committed length and the next tokens: the
+root, and with a fused step the next tree's drafts), so those never leave the device, and a small
+report (accepted count, path, tokens) that the host reads once per step: the only device-to-host
+read of a step on the plain and fused paths and with host drafters that need no reads of their own
+(ngram). The draft-model drafter reads each draft token it makes.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import torch
 
 from .errors import SpeccError
 from .prefill import prefill, tap_rows
-from .signature import MODES, SampledChildren, StepSignature, graphs_for_mode, mode_of
+from .signature import MODES, SampledChildren, StepSignature, graphs_for_mode, mode_of, split_report, uniform_columns
 
 
 MODE_WORDS = {"greedy": "greedy decoding", "sample": "sampling (temperature > 0)",
@@ -51,12 +55,16 @@ class Run:
     base_len: int  # tokens whose K/V are in the cache; the root committed[-1] is not yet
     budget: int  # new tokens allowed
     produced: int
-    gen: torch.Generator
     temperature: torch.Tensor
     top_p: torch.Tensor
     mode: str  # greedy | sample | top_p: which of the engine's graphs run
     graphs: dict  # the mode's graphs, by name without the mode (prefill, plain, step, fused, ...)
-    next_drafts: torch.Tensor | None = None  # fused: the next tree's drafts (and q) from the last call
+    table: torch.Tensor | None  # the generation's uniforms (sampling modes), on the device
+    # What the last decode call returned for the next one, on the device: base_len [] and the
+    # root [1]; after a fused call, the next tree [T] (root + drafts) and its q.
+    base_dev: torch.Tensor | None = None
+    root_dev: torch.Tensor | None = None
+    next_tokens: torch.Tensor | None = None
     next_q: torch.Tensor | None = None
 
 
@@ -80,11 +88,12 @@ class Engine:
         self.use_fused = True
         self.sampled = SampledChildren.from_entry(manifest["drafter"], manifest["target"]["vocab_size"])
         self.modes = tuple(manifest.get("modes", MODES))
+        self._report_buffers: dict[int, torch.Tensor] = {}  # pinned host buffers for the reports (CUDA)
 
     def signatures(self, mode: str) -> tuple[StepSignature, StepSignature, StepSignature]:
         """The plain, step and fused graphs' calling conventions in `mode`."""
-        return (StepSignature(1, mode=mode), StepSignature(self.tree.size, self.sampled, mode=mode),
-                StepSignature(self.tree.size, self.sampled, fused=True, mode=mode))
+        T, q = self.tree.size, self.sampled
+        return StepSignature(1, mode=mode), StepSignature(T, q, mode=mode), StepSignature(T, q, fused=True, mode=mode)
 
     # -- prompts ---------------------------------------------------------------------------
     def encode(self, prompt, chat: bool = False) -> list[int]:
@@ -127,20 +136,25 @@ class Engine:
                              f"--modes {','.join(self.modes)}; compile it again with --modes "
                              f"{','.join(m for m in MODES if m in self.modes or m == mode)}.")
         dev = self._tensor
+        table = None
+        if mode != "greedy":  # the whole generation's draws, once, on the CPU: the same on every device
+            gen = torch.Generator().manual_seed(seed)
+            table = torch.rand(self.manifest["cache_len"], uniform_columns(self.tree.size, self.sampled),
+                               generator=gen).to(self.device)
         run = Run(committed=list(ids), base_len=L, budget=min(max_new_tokens, self.max_len - L), produced=0,
-                  gen=torch.Generator().manual_seed(seed),  # on the CPU: the same draws on every device
                   temperature=dev(float(temperature)), top_p=dev(float(top_p)), mode=mode,
-                  graphs=graphs_for_mode(self.graphs, mode))
+                  graphs=graphs_for_mode(self.graphs, mode), table=table)
         drafter = self.drafter if speculate else None
         step = (self._plain_step if drafter is None else
                 self._fused_step if self.use_fused and "fused" in run.graphs else self._speculative_step)
         t0 = time.perf_counter()
         on_rows = None
         if drafter is not None:
-            drafter.start(ids, mode, run.temperature, run.top_p, run.gen)
+            drafter.start(ids, mode, run.temperature, run.top_p, table)
             on_rows = drafter.add_rows if drafter.needs_rows else None
         first = prefill(ids, run.graphs["prefill"], run.graphs["plain"], self.chunk, mode, run.temperature, run.top_p,
-                        run.gen, on_rows, self.device)
+                        table, on_rows, self.device)
+        run.base_dev = dev(L)
         stats.prefill_s, stats.prompt_tokens = time.perf_counter() - t0, L
         run.committed.append(first)
         run.produced = 1
@@ -149,7 +163,8 @@ class Engine:
             stats.stop = "eos"
             return
         while run.produced < run.budget:
-            n, path, out, size = step(run)
+            report, size = step(run)
+            n, path, out = split_report(report)
             new = self._commit(run, stats, n, path, out, size, stop_at_eos)
             if drafter is not None:
                 drafter.accepted(run.committed, n)
@@ -161,16 +176,40 @@ class Engine:
     def _tensor(self, value, **kw) -> torch.Tensor:
         return torch.tensor(value, device=self.device, **kw)
 
-    def _uniforms(self, run: "Run", n: int) -> torch.Tensor | None:
-        return torch.rand(n, generator=run.gen).to(self.device) if run.mode != "greedy" else None
+    def _upload(self, tokens: list[int]) -> torch.Tensor:
+        """Host tokens to the device without waiting for it (pinned memory, asynchronous copy)."""
+        if self.device.type != "cuda":
+            return torch.tensor(tokens, dtype=torch.int64)
+        return torch.tensor(tokens, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
+
+    def _read(self, report: torch.Tensor) -> list[int]:
+        """The step's one device-to-host read: its report, through a pinned buffer on CUDA."""
+        if self.device.type != "cuda":
+            return report.tolist()
+        host = self._report_buffers.get(report.shape[0])
+        if host is None:
+            host = self._report_buffers[report.shape[0]] = torch.empty(report.shape, dtype=report.dtype,
+                                                                       pin_memory=True)
+        host.copy_(report, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return host.tolist()
+
+    def _root(self, run: "Run") -> torch.Tensor:
+        """The next call's root [1]: on the device from the last call, or the first token from prefill."""
+        return run.root_dev if run.root_dev is not None else self._upload([run.committed[-1]])
+
+    def _advance(self, run: "Run", res) -> list[int]:
+        """Keep what the next call takes on the device; read the report."""
+        run.base_dev, run.root_dev = res.base_len, res.tokens[:1]
+        return self._read(res.report)
 
     def _plain_step(self, run: "Run"):
         """Ordinary decoding: the one-node tree (the root alone) through the plain graph."""
         sig = self.signatures(run.mode)[0]
-        tokens = self._tensor([run.committed[-1]], dtype=torch.int64)
-        res = sig.unpack(run.graphs["plain"](*sig.args(tokens, self._tensor(run.base_len), run.temperature,
-                                                       run.top_p, self._uniforms(run, 2))))
-        return int(res.n), res.path, res.out, 1
+        res = sig.unpack(run.graphs["plain"](*sig.args(self._root(run), run.base_dev, run.temperature, run.top_p,
+                                                       run.table)))
+        run.next_tokens = None
+        return self._advance(run, res), 1
 
     def _speculative_step(self, run: "Run"):
         """The drafter proposes on the host, the step graph verifies; the accepted rows go back to a
@@ -179,43 +218,44 @@ class Engine:
         if not found:
             return self._plain_step(run)
         T, sig = self.tree.size, self.signatures(run.mode)[1]
-        tokens = self._tensor([run.committed[-1]] + drafts[: T - 1], dtype=torch.int64)
+        drafts = drafts if isinstance(drafts, torch.Tensor) else self._upload(drafts[: T - 1])
         res = sig.unpack(run.graphs["step"](*sig.args(
-            tokens, self._tensor(run.base_len), run.temperature, run.top_p, self._uniforms(run, T + 1),
+            torch.cat((self._root(run), drafts)), run.base_dev, run.temperature, run.top_p, run.table,
             self.drafter.q)))
-        n = int(res.n)
+        report = self._advance(run, res)
         if self.drafter.needs_rows:  # the root and the accepted drafts are now committed context
-            self.drafter.add_rows(tap_rows(res.taps, res.path[: n + 1]), run.base_len)
-        return n, res.path, res.out, T
+            n = report[0]
+            _, path, _ = split_report(res.report)  # on the device: sliced, never read
+            self.drafter.add_rows(tap_rows(res.taps, path[: n + 1]), run.base_len)
+        return report, T
 
     def _fused_step(self, run: "Run"):
-        """One graph per step: it verifies, updates the drafter and returns the next tree's drafts.
-        The first proposal (which flushes the prompt's rows) comes from the drafter's own graphs."""
+        """One graph per step: it verifies, updates the drafter and returns the next tree (root and
+        drafts) and its q, which stay on the device for the next call. The first proposal (which
+        flushes the prompt's rows) comes from the drafter's own graphs."""
         T, sig = self.tree.size, self.signatures(run.mode)[2]
-        if run.next_drafts is None:
+        if run.next_tokens is None:
             drafts, _ = self.drafter.propose(run.committed)
-            tokens = self._tensor([run.committed[-1]] + drafts[: T - 1], dtype=torch.int64)
-            q = self.drafter.q
+            drafts = drafts if isinstance(drafts, torch.Tensor) else self._upload(drafts[: T - 1])
+            tokens, q = torch.cat((self._root(run), drafts)), self.drafter.q
         else:
-            tokens, q = torch.cat((self._tensor([run.committed[-1]]), run.next_drafts)), run.next_q
-        uniforms = self._uniforms(run, T + 1)  # this tree's; then the next tree's draws (sampled children)
-        draft_uniforms = self._uniforms(run, self.drafter.n_uniforms) if sig.sampled is not None else None
-        res = sig.unpack(run.graphs["fused"](*sig.args(tokens, self._tensor(run.base_len), run.temperature,
-                                                       run.top_p, uniforms, q, draft_uniforms)))
-        run.next_drafts, run.next_q = res.next_drafts, res.next_q
-        return int(res.n), res.path, res.out, T
+            tokens, q = run.next_tokens, run.next_q
+        res = sig.unpack(run.graphs["fused"](*sig.args(tokens, run.base_dev, run.temperature, run.top_p, run.table,
+                                                       q)))
+        run.next_tokens, run.next_q = res.tokens, res.next_q
+        return self._advance(run, res), T
 
     def _commit(self, run: "Run", stats: Stats, n: int, path, out, size: int, stop_at_eos: bool) -> list[int]:
         """What every mode shares: record the step, commit the accepted tokens and the bonus token
         (cut at the budget and at EOS), and advance the committed length."""
         if size > 1:
-            stats.rank_paths.append(tuple(self.tree.ranks[i] for i in path[1: n + 1].tolist()))
+            stats.rank_paths.append(tuple(self.tree.ranks[i] for i in path[1: n + 1]))
         stats.steps += 1
         while len(stats.accepted_hist) <= n:
             stats.accepted_hist.append(0)
         stats.accepted_hist[n] += 1
         run.base_len += n + 1
-        new = out[: n + 1].tolist()[: run.budget - run.produced]
+        new = out[: n + 1][: run.budget - run.produced]
         if stop_at_eos:
             for i, t in enumerate(new):
                 if t in self.eos:

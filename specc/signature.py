@@ -102,60 +102,78 @@ class SampledChildren:
         return SampledChildren(entry["q_rows"], vocab, entry["width"])
 
 
+def uniform_columns(size: int, sampled: SampledChildren | None) -> int:
+    """Columns of an engine's table of uniforms (one row per cache position, drawn once per
+    generation from the seeded generator, indexed inside the graphs). Row r belongs to the call
+    whose root sits at position r (its base_len): columns [0, T] verify that call's tree (plain
+    decoding and a prefill chunk's last row read [0, 1]); with sampled children, the next tree's
+    draws follow. Every decode call advances base_len, so no draw is ever used twice."""
+    return size + 1 + (sampled.uniforms if sampled is not None else 0)
+
+
+def split_report(report):
+    """A step's report [2D+3] (a tensor, or the host's list) -> (n, path [D+1], out [D+1])."""
+    depth = (len(report) - 3) // 2
+    return report[0], report[1: depth + 2], report[depth + 2:]
+
+
 class StepOutputs(NamedTuple):
-    n: Tensor  # accepted drafts []
-    path: Tensor  # accepted node indices from the root [D+1], padded by repeating the last
-    out: Tensor  # accepted tokens, then the bonus token (repeated) [D+1]
+    report: Tensor  # [2D+3] int64: n_accepted, path, out (split_report): what the host reads, once
+    base_len: Tensor  # [] the next call's base_len: base_len + n_accepted + 1
+    tokens: Tensor  # the next call's tokens: unfused [1] (the root: the bonus token); fused [T] (root + drafts)
     taps: tuple  # unfused: the taps of every tree node, each [1, T, H]
-    next_drafts: Tensor | None  # fused: the next tree's drafts [T-1]
     next_q: Tensor | None  # fused with sampled children: the next tree's q
 
 
 @dataclass(frozen=True)
 class StepSignature:
     """inputs:  tokens [T] (root, then the drafts), base_len [] (tokens in the cache), then the mode's
-                sampling inputs (temperature [], top_p [], uniforms [T+1]: see sampling_inputs); in a
-                sampling mode, sampled children add draft_q [q_rows, V] (this tree's q), and the fused
-                graph with sampled children adds draft_uniforms [q_rows * width] (the next tree's).
-       outputs: n, path, out, then the taps (unfused) or next_drafts [T-1] (+ next_q) (fused)."""
+                sampling inputs (temperature [], top_p [], uniforms [rows, cols]: the generation's
+                table, see uniform_columns and sampling_inputs); in a sampling mode, sampled
+                children add draft_q [q_rows, V] (this tree's q).
+       outputs: report [2D+3], next base_len [], then the root [1] and the taps (unfused) or the next
+                tree's tokens [T] (+ its q) (fused): what the next call takes, kept on the device."""
     size: int  # T, the tree's nodes
     sampled: SampledChildren | None = None
     fused: bool = False
     mode: str = "greedy"
+    table: tuple[int, int] | None = None  # (rows, cols) of the uniforms table: needed in the sampling modes
 
     def __post_init__(self):
         if check_mode(self.mode) == "greedy":  # greedy verification ignores q: the drafts are the top-k
             object.__setattr__(self, "sampled", None)
 
-    def args(self, tokens, base_len, temperature=None, top_p=None, uniforms=None, draft_q=None,
-             draft_uniforms=None) -> tuple:
+    def args(self, tokens, base_len, temperature=None, top_p=None, uniforms=None, draft_q=None) -> tuple:
         extra = (draft_q,) if self.sampled is not None else ()
-        if self.fused and self.sampled is not None:
-            extra += (draft_uniforms,)
         return (tokens, base_len, *sampling_inputs(self.mode, temperature, top_p, uniforms), *extra)
 
-    def parse(self, args: tuple) -> tuple[Sampling, Tensor | None, Tensor | None]:
-        """A graph's inputs after (tokens, base_len) -> (sampling, draft_q, draft_uniforms)."""
+    def parse(self, args: tuple) -> tuple[Sampling, Tensor | None]:
+        """A graph's inputs after (tokens, base_len) -> (sampling, draft_q)."""
         n = len(sampling_inputs(self.mode, None, None, None))
-        extra = list(args[n:]) + [None, None]
-        return parse_sampling(tuple(args[:n])), extra[0], extra[1]
+        return parse_sampling(tuple(args[:n])), (args[n] if len(args) > n else None)
 
     def example_inputs(self) -> tuple:
-        s = self.sampled
+        s, table = self.sampled, self.table
+        if table is None and self.mode != "greedy":
+            raise ValueError("a sampling mode's step graph needs the shape of the uniforms table")
         return self.args(torch.zeros(self.size, dtype=torch.int64), torch.tensor(0), torch.tensor(1.0),
-                         torch.tensor(0.5), torch.zeros(self.size + 1),
-                         torch.zeros(s.q_rows, s.vocab) if s else None, torch.zeros(s.uniforms) if s else None)
+                         torch.tensor(0.5), torch.zeros(table) if table else None,
+                         torch.zeros(s.q_rows, s.vocab) if s else None)
 
-    def outputs(self, n, path, out, taps=(), next_drafts=None, next_q=None) -> tuple:
+    def outputs(self, n, path, out, base_len, taps=(), next_drafts=None, next_q=None) -> tuple:
+        report = torch.cat((n.view(1), path, out))
+        root = out.index_select(0, n.view(1))
+        next_base_len = base_len + n + 1
         if not self.fused:
-            return (n, path, out, *taps)
-        return (n, path, out, next_drafts, next_q) if self.sampled is not None else (n, path, out, next_drafts)
+            return (report, next_base_len, root, *taps)
+        tokens = torch.cat((root, next_drafts))
+        return (report, next_base_len, tokens) + ((next_q,) if self.sampled is not None else ())
 
     def unpack(self, outputs) -> StepOutputs:
-        n, path, out, *rest = outputs
+        report, base_len, tokens, *rest = outputs
         if not self.fused:
-            return StepOutputs(n, path, out, tuple(rest), None, None)
-        return StepOutputs(n, path, out, (), rest[0], rest[1] if self.sampled is not None else None)
+            return StepOutputs(report, base_len, tokens, tuple(rest), None)
+        return StepOutputs(report, base_len, tokens, (), rest[0] if self.sampled is not None else None)
 
 
 @dataclass(frozen=True)

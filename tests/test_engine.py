@@ -212,7 +212,7 @@ def test_dflash_engine_greedy_and_context_rows(tmp_path, arch, backend):
     seen = []
     engine.use_fused = False  # every step through the drafter's graph; tests/test_tree_engine.py checks the fused step
     real = engine.drafter.propose
-    engine.drafter.propose = lambda committed: seen.append((list(committed), out := real(committed))) or out
+    engine.drafter.propose = record(real, seen)
     for prompt in (PROMPT, PROMPT[:3], PROMPT * 2):
         res = engine.generate(prompt, max_new_tokens=20, stop_at_eos=False)
         assert res.token_ids == hf_greedy(model, prompt, 20)
@@ -245,6 +245,15 @@ def test_dflash_refusals(llama_dir, tmp_path):
         specc.compile(root / "llama", drafter="dflash", drafter_path=opath, tree="chain:3",
                       output_dir=tmp_path / "e3", progress=False)
     assert not any((tmp_path / f"e{i}").exists() for i in range(1, 6))
+
+
+def record(propose, seen: list):
+    """A drafter's propose that also appends (committed, (drafts as a list, found)) to `seen`."""
+    def call(committed):
+        drafts, found = propose(committed)
+        seen.append((list(committed), (drafts.tolist() if isinstance(drafts, torch.Tensor) else drafts, found)))
+        return drafts, found
+    return call
 
 
 def mtp_checkpoint(target, path, kind: str, seed: int = 0):
@@ -305,7 +314,7 @@ def test_mtp_engine_greedy_and_drafts(tmp_path, arch, backend, tree, kind):
     seen = []
     engine.use_fused = False  # every step through the drafter's graph; tests/test_tree_engine.py checks the fused step
     real = engine.drafter.propose
-    engine.drafter.propose = lambda committed: seen.append((list(committed), out := real(committed))) or out
+    engine.drafter.propose = record(real, seen)
     accepted = 0
     for prompt in (PROMPT, PROMPT[:1], PROMPT * 2):
         res = engine.generate(prompt, max_new_tokens=20, stop_at_eos=False)

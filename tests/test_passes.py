@@ -17,7 +17,7 @@ from specc.drafters import get_kind  # noqa: E402
 from specc.pipeline import capture  # noqa: E402
 from specc.plans import GraphPlan, build_program, graph_plans  # noqa: E402
 from specc.target_module import NEG_INF, TargetModule, causal_mask, module_state  # noqa: E402
-from specc.signature import MODES, mode_of, sampling_inputs  # noqa: E402
+from specc.signature import MODES, mode_of, sampling_inputs, split_report  # noqa: E402
 from specc.passes.compact_kv import compact_kv  # noqa: E402
 from specc.passes.matvec import matvec  # noqa: E402
 from specc.passes.tree_inputs import TreeInputs, tree_inputs  # noqa: E402
@@ -171,8 +171,14 @@ def step(request, model, tmp_path_factory):
     assert len(built) == 1  # the modes share the capture and the mode-free passes
 
     def graph(tokens, base_len, temperature, top_p, uniforms):
+        """(n, path, out), with `uniforms` [T+1] put in the table's row base_len (where the graph reads)."""
         mode = mode_of(float(temperature), float(top_p))
-        return graphs[mode](tokens, base_len, *sampling_inputs(mode, temperature, top_p, uniforms))
+        table = torch.rand(S, tree.size + 1)
+        table[int(base_len)] = uniforms
+        report, next_base, root = graphs[mode](tokens, base_len, *sampling_inputs(mode, temperature, top_p, table))
+        n, path, out = split_report(report)
+        assert int(next_base) == int(base_len) + int(n) + 1 and root.tolist() == [int(out[n])]  # the next call's
+        return n, path, out
 
     return request.param, tree, tm, graph, dump
 
@@ -275,7 +281,9 @@ def prefill_program(model):
     def graph(tokens, base_len, n_valid, temperature, top_p, uniforms):  # top_p 1 here: greedy or sample
         if float(temperature) == 0:
             return graphs[0](tokens, base_len, n_valid)
-        return graphs[1](tokens, base_len, n_valid, temperature, uniforms)
+        table = torch.rand(S, 2)
+        table[int(base_len + n_valid - 1)] = uniforms  # the row of the chunk's last token
+        return graphs[1](tokens, base_len, n_valid, temperature, table)
 
     return tm, graph
 

@@ -8,7 +8,7 @@ import specc
 from specc.calibrate import comb
 from specc.errors import SpeccError
 from specc.tree import tree_from_paths
-from test_engine import PROMPT, hf_greedy, mtp_checkpoint, random_dflash
+from test_engine import PROMPT, hf_greedy, mtp_checkpoint, random_dflash, record
 from tiny import tiny_model
 
 # Uneven on purpose: three ranks at depth 1, two under the first, a rank-1 branch deeper than the chain.
@@ -40,7 +40,7 @@ def mtp_target(tmp_path):
 def record_proposals(engine):
     engine.use_fused = False  # every step through the drafter's own graph (the fused step is checked against it)
     seen, real = [], engine.drafter.propose
-    engine.drafter.propose = lambda committed: seen.append((list(committed), out := real(committed))) or out
+    engine.drafter.propose = record(real, seen)
     return seen
 
 

@@ -24,8 +24,10 @@ Functions (cfg: CompileConfig; target_hf: the Hugging Face target; weights: what
 
 A RuntimeDrafter has the attributes `needs_rows` (it reads the target's taps: `add_rows(rows,
 start)`), `n_uniforms` (random numbers per proposal; > 0 when children are sampled) and `q` (the
-last proposal's q), and the methods start(prompt_ids, temperature, top_p, gen),
-propose(committed) -> (drafts, found) and accepted(committed, n_accepted).
+last proposal's q), and the methods start(prompt_ids, mode, temperature, top_p, table) (table:
+the generation's uniforms, signature.uniform_columns; None when greedy), propose(committed) ->
+(drafts, found) (drafts: a list of ints, or a tensor on the engine's device that never visits the
+host) and accepted(committed, n_accepted).
 """
 from __future__ import annotations
 

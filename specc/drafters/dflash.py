@@ -74,7 +74,7 @@ def module(drafter, target: TargetModule, entry: dict, tree: Tree, cache_len: in
 
 
 def plans(tree: Tree, chunk: int, cache_len: int, backend: str, sampled, modes) -> list:
-    return hidden_state.plans(tree, chunk, backend, sampled, modes)
+    return hidden_state.plans(tree, chunk, cache_len, backend, sampled, modes)
 
 
 def runtime(graphs: dict, tree: Tree, entry: dict, chunk: int, device):

@@ -91,13 +91,13 @@ class DraftModelDrafter:
         self.k, self.prefill_graph, self.step_graph, self.chunk = tree.size - 1, prefill_graph, step_graph, chunk
         self.device = device
 
-    def start(self, prompt_ids: list[int], mode: str, temperature, top_p, gen=None) -> None:
+    def start(self, prompt_ids: list[int], mode: str, temperature, top_p, table=None) -> None:
         prefill(prompt_ids, self.prefill_graph, self.step_graph, self.chunk, "greedy", device=self.device)
         self.cached = len(prompt_ids)  # tokens whose K/V the drafter holds
 
     def _next(self, token: int, pos: int) -> int:
-        _, _, out = self.step_graph(torch.tensor([token], device=self.device), torch.tensor(pos, device=self.device))
-        return int(out[0])
+        root = self.step_graph(torch.tensor([token], device=self.device), torch.tensor(pos, device=self.device))[2]
+        return int(root[0])  # a host-side drafter: one read per draft token
 
     def propose(self, committed: list[int]) -> tuple[list[int], bool]:
         nxt = None

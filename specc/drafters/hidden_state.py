@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..plans import GraphPlan, start
+from ..plans import GraphPlan, start, uniform_table
 from ..pipeline import Pipeline
 from ..signature import DraftSignature, SampledChildren, graph_name, graphs_for_mode
 from ..tree import Tree
@@ -18,7 +18,8 @@ def sampled_entry(children: str, q_rows: int, width: int) -> dict:
     return out
 
 
-def plans(tree: Tree, chunk: int, backend: str, sampled: SampledChildren | None, modes) -> list[GraphPlan]:
+def plans(tree: Tree, chunk: int, cache_len: int, backend: str, sampled: SampledChildren | None,
+          modes) -> list[GraphPlan]:
     # Rows of a prefill chunk and of one step (at most the tree's size are committed); then the
     # fused step: verify + accept + the drafter's update and next drafts in one graph. Top-k
     # drafters have one pair of graphs for every mode; sampled children one per mode.
@@ -28,7 +29,8 @@ def plans(tree: Tree, chunk: int, backend: str, sampled: SampledChildren | None,
                 GraphPlan(graph_name("draft_step", m), "draft", tree.size, start(backend), mode=m)]
     draft_step = (lambda m: graph_name("draft_step", m if sampled is not None else None))
     return out + [GraphPlan(graph_name("fused", m), "fused", tree.size, Pipeline(),
-                            fuse=(graph_name("step", m), draft_step(m)), mode=m) for m in modes]
+                            fuse=(graph_name("step", m), draft_step(m)), mode=m,
+                            table=uniform_table(cache_len, tree, sampled)) for m in modes]
 
 
 def runtime(graphs: dict, tree: Tree, entry: dict, chunk: int, device) -> "HiddenStateDrafter":
@@ -54,9 +56,10 @@ class HiddenStateDrafter:
         self.chunk, self.step_rows = chunk, tree.size
         self.q = None
 
-    def start(self, prompt_ids: list[int], mode: str, temperature, top_p, gen=None) -> None:
-        """mode: the generation's; temperature, top_p: 0-d tensors on the engine's device; gen: the
-        runtime's CPU generator."""
+    def start(self, prompt_ids: list[int], mode: str, temperature, top_p, table=None) -> None:
+        """mode: the generation's; temperature, top_p: 0-d tensors on the engine's device; table: the
+        generation's uniforms (signature.uniform_columns): a call at ctx_start p draws from row p,
+        after the T+1 draws that verify the tree of the step at p (what the fused step reads too)."""
         # Sampled children in a sampling mode: the graphs also take the mode's sampling inputs and
         # return q beside the drafts; the last proposal's q is what the step graph verifies against.
         self.signature = DraftSignature(self.sampled, mode)
@@ -65,7 +68,7 @@ class HiddenStateDrafter:
         self.prefill_graph, self.step_graph = graphs["draft_prefill"], graphs["draft_step"]
         self.pending: list[torch.Tensor] = []  # rows not yet in the drafter's cache
         self.pending_start = 0  # position of the first pending row
-        self.sampling = (temperature, top_p, gen)
+        self.sampling = (temperature, top_p, table)
         self.q = None
 
     def add_rows(self, rows: torch.Tensor, start: int) -> None:
@@ -76,13 +79,15 @@ class HiddenStateDrafter:
 
     def _call(self, graph, piece, m: int, pos: int, R: int, committed: list[int]):
         dev = lambda v, **kw: torch.tensor(v, device=self.device, **kw)  # noqa: E731
-        temperature, top_p, gen = self.sampling
-        uniforms = torch.rand(self.n_uniforms, generator=gen).to(self.device) if self.n_uniforms else None
+        temperature, top_p, table = self.sampling
+        first = self.step_rows + 1
+        uniforms = table[pos, first: first + self.n_uniforms] if self.n_uniforms else None
         next_tokens = committed[pos + 1: pos + m + 1] + [0] * (R - m)  # row p pairs with the token at p + 1
         return self.signature.unpack(graph(*self.signature.args(
             piece, dev(next_tokens, dtype=torch.int64), dev(pos), dev(m), temperature, top_p, uniforms)))
 
-    def propose(self, committed: list[int]) -> tuple[list[int], bool]:
+    def propose(self, committed: list[int]) -> tuple[torch.Tensor, bool]:
+        """The next tree's drafts [T-1], left on the device (the step graph takes them from there)."""
         rows = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
         start, n = self.pending_start, rows.shape[0]
         assert start + n == len(committed) - 1, "every committed token but the last has its hidden row"
@@ -97,7 +102,7 @@ class HiddenStateDrafter:
             drafts, self.q = self._call(graph, piece, m, start + done, R, committed)
             done += m
         self.pending = []
-        return drafts[: self.k].tolist(), True
+        return drafts[: self.k], True
 
     def accepted(self, committed: list[int], n_accepted: int) -> None:
         pass

@@ -67,7 +67,7 @@ def module(heads, target: TargetModule, entry: dict, tree: Tree, cache_len: int)
 
 
 def plans(tree: Tree, chunk: int, cache_len: int, backend: str, sampled, modes) -> list:
-    return hidden_state.plans(tree, chunk, backend, sampled, modes)
+    return hidden_state.plans(tree, chunk, cache_len, backend, sampled, modes)
 
 
 def runtime(graphs: dict, tree: Tree, entry: dict, chunk: int, device):

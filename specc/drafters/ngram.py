@@ -117,7 +117,7 @@ class NgramDrafter:
         # Distinct continuations worth collecting: enough to fill every rank at depth 1.
         self.limit = max(1, len(tree.children[0])) * 4
 
-    def start(self, prompt_ids: list[int], mode: str, temperature, top_p, gen=None) -> None:
+    def start(self, prompt_ids: list[int], mode: str, temperature, top_p, table=None) -> None:
         self.buf = np.array(prompt_ids, dtype=np.int64)
 
     def propose(self, committed: list[int]) -> tuple[list[int], bool]:
