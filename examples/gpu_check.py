@@ -19,7 +19,10 @@ carried to the GPU machine), a random one-layer DFlash drafter, `--tree chain:3`
 the inductor backend for the GPU in bf16. Random drafts are almost never accepted, so every step
 commits about one token; what is measured is the decode time per step of plain decoding (the
 one-token graph), of the unfused speculative step (target step graph, then the drafter's graph)
-and of the fused step (one graph), alternating per prompt, medians over prompts and rounds.
+and of the fused step (one graph), alternating per prompt, medians over prompts and rounds; once
+with the decode calls replayed from captured CUDA graphs and once launched kernel by kernel
+(`specc.load(..., cuda_graphs=False)`), with the profiler's count of kernel launches, graph
+launches and synchronising calls per step.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--backend", default="inductor", help="the engine's backend (eager: a quick dry run)")
     ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--env-only", action="store_true", help="report the environment (as JSON with --json) and stop")
@@ -58,6 +62,9 @@ def main() -> int:
         start = time.time()
         engine = time_engine(args)
         print_engine(engine, time.time() - start)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"engine": engine}, f, indent=1)
         return 0
     if not torch.cuda.is_available():
         print("gpu_check needs a CUDA GPU and this machine has none; the CPU tests (tests/test_kernels.py) "
@@ -284,54 +291,97 @@ def time_engine(args) -> dict:
     save_dflash(DFlashDrafter(dflash_config_for(cfg, num_layers=1, block_size=4, num_taps=2, mask_token_id=0)),
                 tmp / "dflash")
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    print(f"\n# engine: random SmolLM2-shaped target ({args.layers} layers), DFlash chain:3, inductor, {dtype}, "
+    print(f"\n# engine: random SmolLM2-shaped target ({args.layers} layers), DFlash chain:3, {args.backend}, {dtype}, "
           f"{args.device}", flush=True)
     t0 = time.time()
     path = specc.compile(tmp / "target", drafter="dflash", drafter_path=tmp / "dflash", tree="chain:3",
-                         backend="inductor", device=args.device, dtype=dtype, max_len=1024,
+                         backend=args.backend, device=args.device, dtype=dtype, max_len=1024,
                          output_dir=tmp / "engine", progress=False, modes="greedy")
     compile_s = time.time() - t0
     print(f"  compiled in {compile_s:.0f} s", flush=True)
-    engine = specc.load(path)
+    cuda = args.device.startswith("cuda")
+    # Two loads of one engine: decode calls replayed from captured CUDA graphs, and launched kernel by
+    # kernel (--no-cuda-graphs); on a CPU dry run only the second exists.
+    engines = {"launch": specc.load(path, cuda_graphs=False)}
+    if cuda:
+        engines["cuda_graphs"] = specc.load(path, cuda_graphs=True)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, cfg.vocab_size, (64,), generator=g).tolist() for _ in range(args.prompts)]
-    modes = ("plain", "unfused", "fused")
+    paths = ("plain", "unfused", "fused")
 
-    def run(ids, mode, n):
-        engine.use_fused = mode == "fused"
-        return engine.generate(ids, max_new_tokens=n, speculate=mode != "plain", stop_at_eos=False)
+    def run(engine, ids, path, n):
+        engine.use_fused = path == "fused"
+        return engine.generate(ids, max_new_tokens=n, speculate=path != "plain", stop_at_eos=False)
 
-    for mode in modes:  # warm-up
-        run(prompts[0], mode, 8)
-    ms = {m: [] for m in modes}
-    tau, same = [], 0
-    for rnd in range(args.rounds):
-        for ids in prompts:
-            outs = {}
-            for mode in (modes if rnd % 2 == 0 else modes[::-1]):
-                r = run(ids, mode, args.new_tokens)
-                ms[mode].append(1000 * (r.stats.wall_s - r.stats.prefill_s) / r.stats.steps)
-                outs[mode] = r.token_ids
-                if mode == "fused":
-                    tau.append(r.stats.tau)
-            same += outs["plain"] == outs["unfused"] == outs["fused"]
-    med = {m: statistics.median(v) for m, v in ms.items()}
-    return {"device": args.device, "layers": args.layers, "dtype": dtype, "compile_s": round(compile_s, 1),
-            "new_tokens": args.new_tokens, "runs_per_mode": len(ms["fused"]),
-            "ms_per_step": {m: round(v, 3) for m, v in med.items()}, "tau": round(statistics.median(tau), 3),
-            "identical_runs": f"{same}/{len(prompts) * args.rounds}"}
+    out = {"device": args.device, "layers": args.layers, "dtype": dtype, "compile_s": round(compile_s, 1),
+           "new_tokens": args.new_tokens}
+    for label, engine in engines.items():
+        for path_ in paths:  # warm-up (and, with CUDA graphs, the captures)
+            run(engine, prompts[0], path_, 8)
+        ms = {m: [] for m in paths}
+        tau, same = [], 0
+        for rnd in range(args.rounds):
+            for ids in prompts:
+                outs = {}
+                for path_ in (paths if rnd % 2 == 0 else paths[::-1]):
+                    r = run(engine, ids, path_, args.new_tokens)
+                    ms[path_].append(1000 * (r.stats.wall_s - r.stats.prefill_s) / r.stats.steps)
+                    outs[path_] = r.token_ids
+                    if path_ == "fused":
+                        tau.append(r.stats.tau)
+                same += outs["plain"] == outs["unfused"] == outs["fused"]
+        out[label] = {"runs_per_path": len(ms["fused"]),
+                      "ms_per_step": {m: round(statistics.median(v), 3) for m, v in ms.items()},
+                      "tau": round(statistics.median(tau), 3),
+                      "identical_runs": f"{same}/{len(prompts) * args.rounds}",
+                      "per_step": launches_per_step(engine, prompts[0], run) if cuda else None}
+    return out
+
+
+def launches_per_step(engine, ids, run) -> dict:
+    """Kernel launches, graph launches and synchronising calls per decode step, from the profiler's
+    CUDA runtime events over one generation of each path (prefill excluded by subtracting a run of
+    one new token)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    kinds = {"kernel_launches": ("LaunchKernel", "cuLaunch"), "graph_launches": ("GraphLaunch",),
+             "syncs": ("Synchronize",), "memcpys": ("Memcpy",)}
+
+    def count(path, n):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            r = run(engine, ids, path, n)
+        names = [e.name for e in prof.events()]
+        return r.stats.steps, {k: sum(any(w in name for w in words) for name in names) for k, words in kinds.items()}
+
+    out = {}
+    for path in ("plain", "fused"):
+        steps_long, long = count(path, 33)
+        steps_short, short = count(path, 1)
+        steps = max(1, steps_long - steps_short)
+        out[path] = {k: round((long[k] - short[k]) / steps, 2) for k in kinds}
+    return out
 
 
 def print_engine(e: dict, wall: float) -> None:
-    ms = e["ms_per_step"]
-    print(f"\n| decode step ({e['device']}, {e['dtype']}, {e['layers']} layers) | ms/step | vs plain |")
-    print("|---|---:|---:|")
-    for mode, label in (("plain", "plain decoding (one-token graph)"), ("unfused", "unfused: step graph + drafter graph"),
-                        ("fused", "fused: one graph")):
-        print(f"| {label} | {ms[mode]:.3f} | {ms[mode] / ms['plain']:.2f}x |")
-    print(f"\nfused vs unfused: {ms['unfused'] / ms['fused']:.3f}x per step; tau {e['tau']} (random drafts); "
-          f"identical tokens in {e['identical_runs']} prompt runs (bf16 near-ties of a random model may differ); "
-          f"compile {e['compile_s']} s; whole script {wall:.0f} s.")
+    labels = (("plain", "plain decoding (one-token graph)"), ("unfused", "unfused: step graph + drafter graph"),
+              ("fused", "fused: one graph"))
+    runs = [k for k in ("cuda_graphs", "launch") if k in e]
+    print(f"\n| decode step ({e['device']}, {e['dtype']}, {e['layers']} layers) | "
+          + " | ".join(f"ms/step {k} | vs plain" for k in runs) + " |")
+    print("|---|" + "---:|---:|" * len(runs))
+    for path, label in labels:
+        cells = [f"{e[k]['ms_per_step'][path]:.3f} | {e[k]['ms_per_step'][path] / e[k]['ms_per_step']['plain']:.2f}x"
+                 for k in runs]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    for k in runs:
+        ms = e[k]["ms_per_step"]
+        print(f"\n{k}: fused vs unfused {ms['unfused'] / ms['fused']:.3f}x per step; tau {e[k]['tau']} (random "
+              f"drafts); identical tokens in {e[k]['identical_runs']} prompt runs (bf16 near-ties of a random model "
+              f"may differ); per step from the profiler: {e[k]['per_step']}")
+    if "cuda_graphs" in e:
+        print(f"CUDA graphs vs launches, fused step: "
+              f"{e['launch']['ms_per_step']['fused'] / e['cuda_graphs']['ms_per_step']['fused']:.2f}x")
+    print(f"compile {e['compile_s']} s; whole script {wall:.0f} s.")
 
 
 if __name__ == "__main__":

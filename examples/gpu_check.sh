@@ -13,11 +13,13 @@
 #            CUDA graphs at SmolLM2's and Qwen3-8B's layer shapes, per-layer cost, and the
 #            memory floor from the measured copy bandwidth (examples/gpu_cost_curve.py) -> curve.json
 #   engine   SmolLM2's shapes with random weights, bf16, inductor: plain, unfused and fused
-#            decode ms per step                                               -> engine.json
+#            decode ms per step, with the decode calls replayed as CUDA graphs and launched
+#            kernel by kernel, and kernel launches / graph launches / syncs per step from the
+#            profiler                                                        -> engine.json
 #
 # OUT_DIR/sections.json says, per section, its exit status and seconds; the script exits 1 if any
-# section failed. Not yet here (issue 12): specc's own engines under CUDA graphs, and launches and
-# syncs per step from the profiler.
+# section failed. Not yet here (issue 12): an engine at Qwen3-8B's layer shapes (the curve section
+# measures the target module at those shapes).
 set -u
 OUT=${1:?usage: examples/gpu_check.sh OUT_DIR}
 mkdir -p "$OUT"

@@ -63,3 +63,38 @@ def test_on_device_moves_a_copy():
     assert moved is not ep
     assert all(t.device.type == "meta" for t in moved.state_dict.values())
     assert all(t.device.type == "cpu" for t in ep.state_dict.values())
+
+
+def test_cuda_graphs_are_skipped_off_cuda(tmp_path):
+    """On the CPU, asking for CUDA graphs (the default) captures nothing: the path is skipped, not faked."""
+    model = tiny_model("llama", vocab=64, layers=1, seed=2)
+    model.save_pretrained(tmp_path / "m")
+    path = specc.compile(tmp_path / "m", drafter="ngram", tree="chain:2", output_dir=tmp_path / "e", max_len=64,
+                         prefill_chunk=8, progress=False, modes="greedy")
+    engine = specc.load(path, device="cpu", cuda_graphs=True)
+    assert engine.cuda_graphs is False
+    engine.generate([5, 6, 7, 5, 6], max_new_tokens=4, stop_at_eos=False)
+    assert engine._captured == {}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_cuda_graphs_replay_gives_the_launched_tokens(tmp_path, backend):
+    """Decode calls replayed from captured CUDA graphs give the tokens of the same engine launching
+    kernel by kernel: plain, unfused and fused, greedy and sampling."""
+    from test_engine import mtp_checkpoint
+
+    model = tiny_model("llama", vocab=64, layers=1, seed=3)
+    model.save_pretrained(tmp_path / "m")
+    path = specc.compile(tmp_path / "m", drafter="mtp", drafter_path=mtp_checkpoint(model, tmp_path / "mtp", "copy")[0],
+                         tree="topk:2,2", children="sampled", backend=backend, device="cuda",
+                         output_dir=tmp_path / "e", max_len=64, prefill_chunk=8, progress=False, modes="greedy,top_p")
+    replayed, launched = specc.load(path, cuda_graphs=True), specc.load(path, cuda_graphs=False)
+    prompt = [5, 6, 7, 5, 6, 9, 10]
+    for kw in (dict(), dict(temperature=0.8, top_p=0.9, seed=4)):
+        for fused, speculate in ((True, True), (False, True), (True, False)):
+            replayed.use_fused = launched.use_fused = fused
+            a = replayed.generate(prompt, max_new_tokens=24, stop_at_eos=False, speculate=speculate, **kw)
+            b = launched.generate(prompt, max_new_tokens=24, stop_at_eos=False, speculate=speculate, **kw)
+            assert a.token_ids == b.token_ids and a.stats.steps == b.stats.steps
+    assert {"plain_greedy", "step_greedy", "fused_greedy", "fused_top_p"} <= set(replayed._captured)

@@ -40,3 +40,16 @@ def test_cost_curve_dry_run(tmp_path):
     if not torch.cuda.is_available():  # the real run refuses in one sentence
         proc = run("gpu_cost_curve.py")
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "CUDA" in proc.stderr
+
+
+def test_engine_section_dry_run(tmp_path):
+    """The engine section end to end on the CPU with an eager engine of one layer (on a GPU it runs
+    inductor, with and without CUDA graphs, and counts launches with the profiler)."""
+    proc = run("gpu_check.py", "--device", "cpu", "--backend", "eager", "--layers", "1", "--skip-kernels",
+               "--new-tokens", "6", "--prompts", "1", "--rounds", "1", "--json", tmp_path / "out.json")
+    assert proc.returncode == 0, proc.stderr
+    engine = json.loads((tmp_path / "out.json").read_text())["engine"]
+    assert set(engine["launch"]["ms_per_step"]) == {"plain", "unfused", "fused"}
+    assert engine["launch"]["identical_runs"] == "1/1"  # fp32 on the CPU: the three paths agree
+    assert "cuda_graphs" not in engine  # CPU: skipped, not faked
+    assert "fused: one graph" in proc.stdout
