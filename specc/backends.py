@@ -208,11 +208,12 @@ def compile_inductor(ep: torch.export.ExportedProgram, state: dict[str, torch.Te
 
 
 class InductorGraph:
-    def __init__(self, path: Path, state: dict[str, torch.Tensor], keys: list[str]):
+    def __init__(self, path: Path, state: dict[str, torch.Tensor], keys: list[str], single_threaded: bool = False):
         missing = [k for k in keys if k not in state]
         if missing:
             raise SpeccError(f"graph {path.name} needs tensor {missing[0]!r}, which the engine does not have.")
-        self.runner = torch._inductor.aoti_load_package(str(path))
+        # single_threaded: the runner CUDA graphs can capture (specc/cuda_graphs.py)
+        self.runner = torch._inductor.aoti_load_package(str(path), run_single_threaded=single_threaded)
         self.state = {k: state[k] for k in keys}
 
     def __call__(self, *args):
@@ -232,8 +233,9 @@ def lower_graph(backend: str, ep: torch.export.ExportedProgram, state: dict[str,
     return {"file": rel, "state_keys": keys}
 
 
-def open_graph(backend: str, folder: Path, entry: dict, state: dict[str, torch.Tensor], device: str):
+def open_graph(backend: str, folder: Path, entry: dict, state: dict[str, torch.Tensor], device: str,
+               cuda_graphs: bool = False):
     """The callable for one graph of an engine."""
     if backend == "eager":
         return EagerGraph(on_device(load_program(folder, entry, state), device), state)
-    return InductorGraph(folder / entry["file"], state, entry["state_keys"])
+    return InductorGraph(folder / entry["file"], state, entry["state_keys"], single_threaded=cuda_graphs)

@@ -47,7 +47,7 @@ def summarize(name: str, runs: list[dict]) -> dict:
 
 def run_bench(engine_dir, dataset: str = "mt-bench", limit: int | None = 10, max_new_tokens: int = 128,
               baseline: str = "both", chat: bool = True, plot=None, write=None, progress: bool = True,
-              command: str = "", device: str | None = None) -> dict:
+              command: str = "", device: str | None = None, cuda_graphs: bool = True) -> dict:
     from . import load
     from .models import parse_dtype
 
@@ -55,7 +55,7 @@ def run_bench(engine_dir, dataset: str = "mt-bench", limit: int | None = 10, max
         raise SpeccError("--limit must be at least 1.")
     if max_new_tokens < 1:
         raise SpeccError("--max-new-tokens must be at least 1.")
-    engine = load(engine_dir, device=device)
+    engine = load(engine_dir, device=device, cuda_graphs=cuda_graphs)
     prompts = load_prompts(dataset, limit)
     use_chat = chat and engine.tokenizer is not None and bool(getattr(engine.tokenizer, "chat_template", None))
     all_ids = [engine.encode(p, chat=use_chat) for p in prompts]
@@ -107,6 +107,7 @@ def run_bench(engine_dir, dataset: str = "mt-bench", limit: int | None = 10, max
         "max_new_tokens": max_new_tokens, "chat_template": use_chat, "backend": m["backend"],
         "drafter": m["drafter"], "tree": m["tree"]["spec"], "tree_nodes": len(m["tree"]["paths"]),
         "config": engine_label(m), "model": m["target"]["name"], "device": str(engine.device),
+        "cuda_graphs": engine.cuda_graphs,
         "date": benchfile.today(), "machine": benchfile.machine_text(benchfile.machine(str(engine.device))),
         "greedy_identical_to_ar": f"{identical}/{len(fits)}" if "ar" in runs and speculative else None,
         "accepted_hist": hist, "rows": rows, "command": command,

@@ -22,6 +22,8 @@ class _Parser(argparse.ArgumentParser):
 
 DEVICE_HELP = ("cpu | cuda[:N]: where the engine runs (default: the device it was compiled for; an inductor "
                "engine runs only there, an eager one anywhere)")
+NO_CUDA_GRAPHS_HELP = ("on CUDA, launch each decode call's kernels one by one instead of replaying a captured CUDA "
+                       "graph (for comparison); no effect on other devices")
 
 
 def cmd_compile(a) -> int:
@@ -66,7 +68,7 @@ def cmd_run(a) -> int:
     from .runtime import Stats
 
     prompt = _read_prompt(a)  # a missing prompt file fails before the slow load
-    engine = specc.load(a.engine, device=a.device)
+    engine = specc.load(a.engine, device=a.device, cuda_graphs=not a.no_cuda_graphs)
     kw = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed, chat=a.chat)
     if a.stream and not a.json:
         stats = Stats()
@@ -98,6 +100,7 @@ def cmd_bench(a) -> int:
     # Writes only when asked (--write FILE.md): a measurement is not a reason to edit a file.
     report = run_bench(a.engine, dataset=a.dataset, limit=a.limit, max_new_tokens=a.max_new_tokens,
                        baseline=a.baseline, chat=not a.no_chat, plot=a.plot, device=a.device,
+                       cuda_graphs=not a.no_cuda_graphs,
                        write=None if a.no_write else a.write,
                        progress=not a.json, command=shlex.join(["specc", *sys.argv[1:]]))
     if a.json:
@@ -234,6 +237,7 @@ def add_run(sub) -> None:
     r.add_argument("--top-p", type=float, default=1.0)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--device", default=None, help=DEVICE_HELP)
+    r.add_argument("--no-cuda-graphs", action="store_true", help=NO_CUDA_GRAPHS_HELP)
     r.add_argument("--stream", action="store_true")
     r.add_argument("--json", action="store_true")
     r.set_defaults(fn=cmd_run)
@@ -248,6 +252,7 @@ def add_bench(sub) -> None:
     b.add_argument("--baseline", default="both", choices=["hf", "ar", "both"])
     b.add_argument("--no-chat", action="store_true", help="do not apply the chat template to prompts")
     b.add_argument("--device", default=None, help=DEVICE_HELP + "; the HF baseline runs there too")
+    b.add_argument("--no-cuda-graphs", action="store_true", help=NO_CUDA_GRAPHS_HELP)
     b.add_argument("--plot", default=None, metavar="FILE.png", help="acceptance histogram and tokens/s")
     b.add_argument("--write", default=None, metavar="FILE.md",
                    help="insert this run, dated, under '## History' in FILE.md (e.g. BENCHMARKS.md) and regenerate "

@@ -234,10 +234,11 @@ def verify_files(path: Path, manifest: dict) -> None:
                              f"or damaged; compile it again.")
 
 
-def load(path, check_hashes: bool = True, device: str | None = None) -> Engine:
+def load(path, check_hashes: bool = True, device: str | None = None, cuda_graphs: bool = True) -> Engine:
     """Open an engine directory: validate manifest, hashes, versions and shapes, then build the runtime.
     `device`: where an eager engine runs (default: the device it was compiled for); an inductor
-    engine runs only on the device its graphs were compiled for."""
+    engine runs only on the device its graphs were compiled for. `cuda_graphs`: on CUDA, capture
+    the decode calls once and replay them (specc/cuda_graphs.py); ignored on other devices."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
@@ -245,6 +246,7 @@ def load(path, check_hashes: bool = True, device: str | None = None) -> Engine:
     if check_hashes:
         verify_files(path, manifest)
     backend, device = manifest["backend"], run_device(manifest, device)
+    cuda_graphs = cuda_graphs and torch.device(device).type == "cuda"
     dtype = parse_dtype(manifest["dtype"])
     model = AutoModelForCausalLM.from_pretrained(path / "target", dtype=dtype).eval().requires_grad_(False)
     try:
@@ -262,9 +264,9 @@ def load(path, check_hashes: bool = True, device: str | None = None) -> Engine:
         if name not in plans or plans[name].T != g["tokens"]:
             raise SpeccError(f"graph {name} in the manifest does not match this engine's tree and drafter; "
                              f"compile the engine again.")
-        graphs[name] = checked(open_graph(backend, path, g, states[g["module"]], device), name, g["inputs"])
+        graphs[name] = checked(open_graph(backend, path, g, states[g["module"]], device, cuda_graphs), name, g["inputs"])
     drafter = kind.runtime(graphs, tree, entry, chunk, device)
-    return Engine(manifest, graphs, tokenizer, drafter, tree, path=path, device=device)
+    return Engine(manifest, graphs, tokenizer, drafter, tree, path=path, device=device, cuda_graphs=cuda_graphs)
 
 
 def run_device(manifest: dict, device: str | None) -> str:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import SpeccError
+
 WARMUP_CALLS = 2  # before capture, on a side stream: lazy initialisation must not land in the graph
 
 
@@ -28,7 +30,7 @@ class CapturedCall:
     """`graph(*args)` captured for inputs shaped like `example_args`; call it like the graph."""
 
     def __init__(self, graph, example_args: tuple):
-        self.inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in example_args]
+        self.inputs = [a.clone() for a in example_args]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad():
@@ -40,8 +42,11 @@ class CapturedCall:
             self.outputs = graph(*self.inputs)
 
     def __call__(self, *args):
-        for buf, a in zip(self.inputs, args):
-            if isinstance(a, torch.Tensor) and a.data_ptr() != buf.data_ptr():
+        for i, (buf, a) in enumerate(zip(self.inputs, args)):
+            if a.shape != buf.shape or a.dtype != buf.dtype:  # copy_ would broadcast or cast silently
+                raise SpeccError(f"captured graph input {i} has shape {tuple(a.shape)} {a.dtype}, expected "
+                                 f"{tuple(buf.shape)} {buf.dtype}.")
+            if a.data_ptr() != buf.data_ptr():
                 buf.copy_(a, non_blocking=True)
         self.cuda_graph.replay()
         return self.outputs

@@ -19,7 +19,8 @@ import torch
 
 from .errors import SpeccError
 from .prefill import prefill, tap_rows
-from .signature import MODES, SampledChildren, StepSignature, graphs_for_mode, mode_of, split_report, uniform_columns
+from .signature import (MODES, SampledChildren, StepSignature, graph_name, graphs_for_mode, mode_of, split_report,
+                        uniform_columns)
 
 
 MODE_WORDS = {"greedy": "greedy decoding", "sample": "sampling (temperature > 0)",
@@ -78,9 +79,13 @@ class Result:
 class Engine:
     """Holds the engine's tensors (weights + KV caches), graphs, tree and drafter; see `specc.load`."""
 
-    def __init__(self, manifest: dict, graphs: dict, tokenizer, drafter, tree, path=None, device: str = "cpu"):
+    def __init__(self, manifest: dict, graphs: dict, tokenizer, drafter, tree, path=None, device: str = "cpu",
+                 cuda_graphs: bool = False):
         self.manifest, self.graphs, self.tokenizer, self.drafter, self.tree = manifest, graphs, tokenizer, drafter, tree
         self.path, self.device = path, torch.device(device)
+        # Capture each decode graph once and replay it (CUDA only; specc/cuda_graphs.py).
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self._captured: dict[str, object] = {}
         self.max_len = manifest["max_len"]
         self.chunk = manifest["prefill_chunk"]
         self.eos = set(manifest["target"].get("eos_token_ids") or [])
@@ -143,7 +148,7 @@ class Engine:
                                generator=gen).to(self.device)
         run = Run(committed=list(ids), base_len=L, budget=min(max_new_tokens, self.max_len - L), produced=0,
                   temperature=dev(float(temperature)), top_p=dev(float(top_p)), mode=mode,
-                  graphs=graphs_for_mode(self.graphs, mode), table=table)
+                  graphs=self._mode_graphs(mode), table=table)
         drafter = self.drafter if speculate else None
         step = (self._plain_step if drafter is None else
                 self._fused_step if self.use_fused and "fused" in run.graphs else self._speculative_step)
@@ -172,6 +177,24 @@ class Engine:
             if stats.stop == "eos":
                 return
         stats.stop = "max_len" if run.budget < max_new_tokens else "max_new_tokens"
+
+    def _mode_graphs(self, mode: str) -> dict:
+        """The mode's graphs by name; with CUDA graphs, its decode calls captured (before any prefill:
+        capture writes cache slots that prefill then rewrites)."""
+        graphs = graphs_for_mode(self.graphs, mode)
+        if not self.cuda_graphs:
+            return graphs
+        from .cuda_graphs import capture
+
+        for name in ("plain", "step", "fused"):
+            key = graph_name(name, mode) if graph_name(name, mode) in self.graphs else name
+            if key in self.graphs:
+                if key not in self._captured:
+                    example = tuple(torch.zeros(s, dtype=getattr(torch, d.replace("torch.", "")), device=self.device)
+                                    for s, d in self.manifest["graphs"][key]["inputs"])
+                    self._captured[key] = capture(self.graphs[key], example)
+                graphs[name] = self._captured[key]
+        return graphs
 
     def _tensor(self, value, **kw) -> torch.Tensor:
         return torch.tensor(value, device=self.device, **kw)
