@@ -42,7 +42,10 @@ def main() -> int:
     ap.add_argument("--json", help="also write the rows and the environment to this file")
     ap.add_argument("--trials", type=int, default=20, help="random trees per acceptance/compaction check")
     ap.add_argument("--device", default="cuda", help="where the engine part runs (cpu: a dry run, no kernels)")
-    ap.add_argument("--layers", type=int, default=30, help="target layers (SmolLM2-135M has 30)")
+    ap.add_argument("--shape", default="smollm2", choices=("smollm2", "qwen3-8b"),
+                    help="the engine's target: SmolLM2-135M's or Qwen3-8B's layer shapes, random weights")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="target layers (default: all 30 of SmolLM2-135M; 4 of Qwen3-8B's 36)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
@@ -271,28 +274,33 @@ def environment() -> dict:
 
 
 def time_engine(args) -> dict:
-    """Compile the random SmolLM2-shaped engine for args.device and time plain, unfused and fused steps."""
+    """Compile a random engine of args.shape for args.device and time plain, unfused and fused steps."""
     import statistics
     import tempfile
     from pathlib import Path
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     import specc
     from specc.dflash import DFlashDrafter, dflash_config_for, save_dflash
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when run with python -P
+    from gpu_cost_curve import SHAPES
+
     tmp = Path(tempfile.mkdtemp(prefix="specc-gpu-check-"))
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers,
-                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                      rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
-                      eos_token_id=2)
+    spec = dict(SHAPES[args.shape])
+    arch, full_layers = spec.pop("arch"), spec["num_hidden_layers"]
+    layers = min(args.layers or (full_layers if args.shape == "smollm2" else 4), full_layers)
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen3Config, Qwen3ForCausalLM)
+    cfg = config_cls(**{**spec, "num_hidden_layers": layers}, max_position_embeddings=8192, rope_theta=100000.0,
+                     rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(tmp / "target")
+    model_cls(cfg).to(getattr(torch, dtype)).save_pretrained(tmp / "target")  # bf16 on disk: 8B-wide tables are big
     save_dflash(DFlashDrafter(dflash_config_for(cfg, num_layers=1, block_size=4, num_taps=2, mask_token_id=0)),
                 tmp / "dflash")
-    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    print(f"\n# engine: random SmolLM2-shaped target ({args.layers} layers), DFlash chain:3, {args.backend}, {dtype}, "
-          f"{args.device}", flush=True)
+    print(f"\n# engine: random {args.shape}-shaped target ({layers} of {full_layers} layers), DFlash chain:3, "
+          f"{args.backend}, {dtype}, {args.device}", flush=True)
     t0 = time.time()
     path = specc.compile(tmp / "target", drafter="dflash", drafter_path=tmp / "dflash", tree="chain:3",
                          backend=args.backend, device=args.device, dtype=dtype, max_len=1024,
@@ -313,8 +321,8 @@ def time_engine(args) -> dict:
         engine.use_fused = path == "fused"
         return engine.generate(ids, max_new_tokens=n, speculate=path != "plain", stop_at_eos=False)
 
-    out = {"device": args.device, "layers": args.layers, "dtype": dtype, "compile_s": round(compile_s, 1),
-           "new_tokens": args.new_tokens}
+    out = {"device": args.device, "shape": args.shape, "layers": layers, "layers_full": full_layers, "dtype": dtype,
+           "compile_s": round(compile_s, 1), "new_tokens": args.new_tokens}
     for label, engine in engines.items():
         for path_ in paths:  # warm-up (and, with CUDA graphs, the captures)
             run(engine, prompts[0], path_, 8)
@@ -366,7 +374,7 @@ def print_engine(e: dict, wall: float) -> None:
     labels = (("plain", "plain decoding (one-token graph)"), ("unfused", "unfused: step graph + drafter graph"),
               ("fused", "fused: one graph"))
     runs = [k for k in ("cuda_graphs", "launch") if k in e]
-    print(f"\n| decode step ({e['device']}, {e['dtype']}, {e['layers']} layers) | "
+    print(f"\n| decode step ({e['shape']}, {e['device']}, {e['dtype']}, {e['layers']} of {e['layers_full']} layers) | "
           + " | ".join(f"ms/step {k} | vs plain" for k in runs) + " |")
     print("|---|" + "---:|---:|" * len(runs))
     for path, label in labels:
@@ -381,6 +389,10 @@ def print_engine(e: dict, wall: float) -> None:
     if "cuda_graphs" in e:
         print(f"CUDA graphs vs launches, fused step: "
               f"{e['launch']['ms_per_step']['fused'] / e['cuda_graphs']['ms_per_step']['fused']:.2f}x")
+    for k in runs:  # the step's cost per layer, an upper bound (the head and the drafter are in it too)
+        per_layer = {m: round(v / e["layers"], 4) for m, v in e[k]["ms_per_step"].items()}
+        print(f"{k}: ms per layer (upper bound) {per_layer}; all {e['layers_full']} layers: about "
+              f"{per_layer['plain'] * e['layers_full']:.2f} ms per plain step")
     print(f"compile {e['compile_s']} s; whole script {wall:.0f} s.")
 
 

@@ -16,10 +16,11 @@
 #            decode ms per step, with the decode calls replayed as CUDA graphs and launched
 #            kernel by kernel, and kernel launches / graph launches / syncs per step from the
 #            profiler                                                        -> engine.json
+#   engine_qwen  the same at Qwen3-8B's layer shapes, 4 of its 36 layers, with the cost per layer
+#                                                                             -> engine_qwen.json
 #
 # OUT_DIR/sections.json says, per section, its exit status and seconds; the script exits 1 if any
-# section failed. Not yet here (issue 12): an engine at Qwen3-8B's layer shapes (the curve section
-# measures the target module at those shapes).
+# section failed.
 set -u
 OUT=${1:?usage: examples/gpu_check.sh OUT_DIR}
 mkdir -p "$OUT"
@@ -69,7 +70,9 @@ section setup 120 bash -c install_specc  # timeout runs programs, not shell func
 section env 60 $PY examples/gpu_check.py --env-only --json "$OUT/env.json"
 section kernels 150 $PY examples/gpu_check.py --skip-engine --json "$OUT/kernels.json"
 section curve 120 $PY examples/gpu_cost_curve.py --json "$OUT/curve.json"
-section engine 300 $PY examples/gpu_check.py --skip-kernels --json "$OUT/engine.json"
+section engine 240 $PY examples/gpu_check.py --skip-kernels --json "$OUT/engine.json"
+section engine_qwen 180 $PY examples/gpu_check.py --skip-kernels --shape qwen3-8b --prompts 2 --rounds 1 \
+    --new-tokens 64 --json "$OUT/engine_qwen.json"
 
 $PY - "$OUT" <<'EOF'
 import json, sys
