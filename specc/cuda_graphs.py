@@ -31,24 +31,28 @@ class CapturedCall:
 
     def __init__(self, graph, example_args: tuple):
         self.inputs = [a.clone() for a in example_args]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(WARMUP_CALLS):
-                graph(*self.inputs)
-        torch.cuda.current_stream().wait_stream(side)
-        self.cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.cuda_graph), torch.no_grad():
-            self.outputs = graph(*self.inputs)
+        self.device = self.inputs[0].device  # capture and replay on the engine's GPU, whichever is current
+        with torch.cuda.device(self.device):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.no_grad():
+                for _ in range(WARMUP_CALLS):
+                    graph(*self.inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            self.cuda_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.cuda_graph), torch.no_grad():
+                self.outputs = graph(*self.inputs)
 
     def __call__(self, *args):
-        for i, (buf, a) in enumerate(zip(self.inputs, args)):
-            if a.shape != buf.shape or a.dtype != buf.dtype:  # copy_ would broadcast or cast silently
-                raise SpeccError(f"captured graph input {i} has shape {tuple(a.shape)} {a.dtype}, expected "
-                                 f"{tuple(buf.shape)} {buf.dtype}.")
-            if a.data_ptr() != buf.data_ptr():
-                buf.copy_(a, non_blocking=True)
-        self.cuda_graph.replay()
+        if len(args) != len(self.inputs):
+            raise SpeccError(f"a captured graph takes {len(self.inputs)} inputs, not {len(args)}.")
+        with torch.cuda.device(self.device):
+            for i, (buf, a) in enumerate(zip(self.inputs, args)):
+                if a.shape != buf.shape or a.dtype != buf.dtype:  # copy_ would broadcast or cast silently
+                    raise SpeccError(f"captured graph input {i} has shape {tuple(a.shape)} {a.dtype}, expected "
+                                     f"{tuple(buf.shape)} {buf.dtype}.")
+                buf.copy_(a, non_blocking=True)  # device to device, in stream order before the replay
+            self.cuda_graph.replay()
         return self.outputs
 
 

@@ -15,7 +15,7 @@ SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
 def attention_dtypes(module: torch.nn.Module) -> list[tuple[torch.dtype, torch.dtype]]:
-    """(query dtype, mask dtype) of every attention node in a graph module and its subgraphs (torch.cond)."""
+    """(query dtype, mask dtype) of every attention node in a graph module and any subgraph it holds."""
     out = []
     for sub in module.modules():
         if not isinstance(sub, GraphModule):

@@ -19,12 +19,11 @@ Functions (cfg: CompileConfig; target_hf: the Hugging Face target; weights: what
     load_saved(folder, entry, target_hf, dtype) -> weights
     taps(entry, num_layers) -> tuple[int, ...]     the target hidden states it reads (TargetModule taps)
     module(weights, target, entry, tree, cache_len) -> nn.Module | None   what the compiler captures
-    plans(tree, chunk, cache_len, backend, sampled) -> list[GraphPlan]    its graphs (specc.plans)
+    plans(tree, chunk, cache_len, backend, sampled, modes) -> list[GraphPlan]  its graphs (specc.plans)
     runtime(graphs, tree, entry, chunk, device) -> RuntimeDrafter | None  its side of the host loop
 
 A RuntimeDrafter has the attributes `needs_rows` (it reads the target's taps: `add_rows(rows,
-start)`), `n_uniforms` (random numbers per proposal; > 0 when children are sampled) and `q` (the
-last proposal's q), and the methods start(prompt_ids, mode, temperature, top_p, table) (table:
+start)`) and `q` (the last proposal's q, with sampled children), and the methods start(prompt_ids, mode, temperature, top_p, table) (table:
 the generation's uniforms, signature.uniform_columns; None when greedy), propose(committed) ->
 (drafts, found) (drafts: a list of ints, or a tensor on the engine's device that never visits the
 host) and accepted(committed, n_accepted).

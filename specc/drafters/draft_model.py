@@ -83,7 +83,7 @@ def runtime(graphs: dict, tree: Tree, entry: dict, chunk: int, device):
 class DraftModelDrafter:
     """Greedy drafts from the draft model's own graphs, one token per call."""
 
-    needs_rows, n_uniforms, q = False, 0, None  # reads no target taps; deterministic drafts
+    needs_rows, q = False, None  # reads no target taps; deterministic drafts
 
     def __init__(self, tree: Tree, prefill_graph, step_graph, chunk: int, device="cpu"):
         if not tree.is_chain:

@@ -108,7 +108,7 @@ def ngram_tree_drafts(continuations: list[list[int]], tree: Tree, root: int) -> 
 
 
 class NgramDrafter:
-    needs_rows, n_uniforms, q = False, 0, None  # drafts from the text alone, deterministic
+    needs_rows, q = False, None  # drafts from the text alone, deterministic
 
     def __init__(self, tree: Tree, max_ngram: int = 4, min_ngram: int = 3):
         # A match shorter than min_ngram predicts poorly; without a match the step falls back to
