@@ -60,6 +60,7 @@ class Run:
     top_p: torch.Tensor
     mode: str  # greedy | sample | top_p: which of the engine's graphs run
     graphs: dict  # the mode's graphs, by name without the mode (prefill, plain, step, fused, ...)
+    signatures: tuple  # the mode's plain, step and fused StepSignatures (Engine.signatures), made once
     table: torch.Tensor | None  # the generation's uniforms (sampling modes), on the device
     # What the last decode call returned for the next one, on the device: base_len [] and the
     # root [1]; after a fused call, the next tree [T] (root + drafts) and its q.
@@ -148,7 +149,7 @@ class Engine:
                                generator=gen).to(self.device)
         run = Run(committed=list(ids), base_len=L, budget=min(max_new_tokens, self.max_len - L), produced=0,
                   temperature=dev(float(temperature)), top_p=dev(float(top_p)), mode=mode,
-                  graphs=self._mode_graphs(mode), table=table)
+                  graphs=self._mode_graphs(mode), signatures=self.signatures(mode), table=table)
         drafter = self.drafter if speculate else None
         step = (self._plain_step if drafter is None else
                 self._fused_step if self.use_fused and "fused" in run.graphs else self._speculative_step)
@@ -228,7 +229,7 @@ class Engine:
 
     def _plain_step(self, run: "Run"):
         """Ordinary decoding: the one-node tree (the root alone) through the plain graph."""
-        sig = self.signatures(run.mode)[0]
+        sig = run.signatures[0]
         res = sig.unpack(run.graphs["plain"](*sig.args(self._root(run), run.base_dev, run.temperature, run.top_p,
                                                        run.table)))
         run.next_tokens = None
@@ -240,7 +241,7 @@ class Engine:
         drafts, found = self.drafter.propose(run.committed)
         if not found:
             return self._plain_step(run)
-        T, sig = self.tree.size, self.signatures(run.mode)[1]
+        T, sig = self.tree.size, run.signatures[1]
         drafts = drafts if isinstance(drafts, torch.Tensor) else self._upload(drafts[: T - 1])
         res = sig.unpack(run.graphs["step"](*sig.args(
             torch.cat((self._root(run), drafts)), run.base_dev, run.temperature, run.top_p, run.table,
@@ -256,7 +257,7 @@ class Engine:
         """One graph per step: it verifies, updates the drafter and returns the next tree (root and
         drafts) and its q, which stay on the device for the next call. The first proposal (which
         flushes the prompt's rows) comes from the drafter's own graphs."""
-        T, sig = self.tree.size, self.signatures(run.mode)[2]
+        T, sig = self.tree.size, run.signatures[2]
         if run.next_tokens is None:
             drafts, _ = self.drafter.propose(run.committed)
             drafts = drafts if isinstance(drafts, torch.Tensor) else self._upload(drafts[: T - 1])
