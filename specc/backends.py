@@ -6,7 +6,8 @@
   graph (a dict), so one set of tensors in memory serves every graph of an engine, the packages
   hold code only, and a package can be reused for any model with the same graph (the compile
   cache is keyed on the graph text, shapes and versions, not on weight values).
-* onnx, tensorrt: named in the design, not built yet here; they fail with one sentence.
+* onnx: functional ONNX graphs run by onnxruntime (specc/onnx_backend.py).
+* tensorrt: named in the design, not built yet here; it fails with one sentence.
 """
 from __future__ import annotations
 
@@ -40,8 +41,9 @@ def check_backend(name: str) -> None:
         raise SpeccError("the tensorrt backend is not implemented in this version of specc; "
                          "use --backend inductor or eager.")
     if name == "onnx":
-        raise SpeccError("the onnx backend is not implemented in this version of specc; "
-                         "use --backend inductor or eager.")
+        from .onnx_backend import require_onnx
+
+        require_onnx()
 
 
 def check_device(device: str) -> str:
@@ -239,6 +241,10 @@ def lower_graph(backend: str, ep: torch.export.ExportedProgram, state: dict[str,
     (folder / "graphs").mkdir(exist_ok=True)
     if backend == "eager":
         return save_program(ep, state, folder, name)
+    if backend == "onnx":
+        from .onnx_backend import lower_onnx
+
+        return lower_onnx(ep, state, folder, name)
     rel = f"graphs/{name}.pt2"
     keys = compile_inductor(on_device(ep, device), state, folder / rel, tuple(a.to(device) for a in example_args))
     return {"file": rel, "state_keys": keys}
@@ -249,4 +255,8 @@ def open_graph(backend: str, folder: Path, entry: dict, state: dict[str, torch.T
     """The callable for one graph of an engine."""
     if backend == "eager":
         return EagerGraph(on_device(load_program(folder, entry, state), device), state)
+    if backend == "onnx":
+        from .onnx_backend import OnnxGraph
+
+        return OnnxGraph(folder, entry, state, device)
     return InductorGraph(folder / entry["file"], state, entry["state_keys"], single_threaded=cuda_graphs)
