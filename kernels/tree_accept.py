@@ -80,7 +80,7 @@ def accept_greedy_reference(logits: Tensor, tokens: Tensor, children: Tensor, de
     tokens = tokens.to(torch.int64)
     target = torch.argmax(logits, dim=-1)  # [T]
     valid = children >= 0  # [T, W]
-    child_idx = children.clamp(min=0)
+    child_idx = torch.where(valid, children, 0)  # not clamp: integer Clip does not lower to TensorRT
     match = valid & (tokens[child_idx] == target.unsqueeze(-1))  # [T, W]
 
     cur = torch.zeros((), dtype=torch.int64, device=device)
@@ -130,7 +130,7 @@ def _sibling_walk(probs: Tensor, tokens: Tensor, children: Tensor, depth: int, u
     tokens = tokens.to(torch.int64)
     uniforms = uniforms.to(torch.float32)
     valid_all = children >= 0
-    child_idx = children.clamp(min=0)
+    child_idx = torch.where(valid_all, children, 0)
 
     cur = torch.zeros((), dtype=torch.int64, device=device)
     n = torch.zeros((), dtype=torch.int64, device=device)

@@ -33,9 +33,6 @@ from specc.kernels.tree_accept import accept_greedy_reference, accept_sample_ref
 from specc.kernels.tree_attention import tree_attention_reference
 from specc.pipeline import canonical_name, example_inputs
 
-CACHE_SUFFIXES = ("k_cache", "v_cache")
-
-
 @torch.library.custom_op("specc::kv_write", mutates_args=())
 def kv_write(cache: Tensor, update: Tensor, start: Tensor, axis: int) -> Tensor:
     """`cache` with `update` written at rows start .. start + update.shape[axis] - 1 of `axis` (a copy)."""
@@ -81,8 +78,22 @@ class Functional(nn.Module):
         return (*(out if isinstance(out, tuple) else (out,)), *caches)
 
 
-def cache_fqns(module: nn.Module) -> list[str]:
-    return [n for n, _ in module.named_buffers() if n.endswith(CACHE_SUFFIXES)]
+def mutated_buffers(ep: torch.export.ExportedProgram) -> list[str]:
+    """The buffers the program writes (its caches), in the order the program holds them: those its
+    signature lists as mutated, and those an op writes in place in the graph (specc's finished
+    programs keep index_copy_ / compact_kv_ on the buffer itself)."""
+    buffers = {s.arg.name: s.target for s in ep.graph_signature.input_specs if s.kind.name == "BUFFER"}
+    written = set(ep.graph_signature.buffers_to_mutate.values())
+    alias = {name: name for name in buffers}  # node -> the buffer placeholder it is (an in-place op's result)
+    for node in ep.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for arg, value in zip(node.target._schema.arguments, node.args):
+            info = arg.alias_info
+            if info is not None and info.is_write and isinstance(value, torch.fx.Node) and value.name in alias:
+                written.add(buffers[alias[value.name]])
+                alias[node.name] = alias[value.name]
+    return [s.target for s in ep.graph_signature.input_specs if s.kind.name == "BUFFER" and s.target in written]
 
 
 def _block_start(idx: torch.fx.Node):
@@ -124,12 +135,12 @@ def functional_kv(ep: torch.export.ExportedProgram) -> FunctionalProgram:
         if node.op == "call_function" and node.target in REFERENCES:
             node.target = REFERENCES[node.target]
     module.recompile()
-    fqns = cache_fqns(module)
+    fqns = mutated_buffers(ep)
     caches = [module.get_buffer(f).clone() for f in fqns]
     with torch.no_grad():
         fep = torch.export.export(Functional(module, fqns), (*caches, *example_inputs(ep)), strict=False)
     fep = fep.run_decompositions({})
-    _blocks(fep)
+    _blocks(fep, set(fep.graph_signature.user_inputs[:len(fqns)]))
     return FunctionalProgram(fep, [canonical_name(f) for f in fqns], n_outputs, [canonical_name(f) for f in compacted])
 
 
@@ -170,7 +181,7 @@ class Compaction(nn.Module):
 
     def forward(self, *args):
         caches, (src, dst) = args[:self.n], args[self.n:]
-        return tuple(torch.ops.specc.kv_write(c, c.index_select(2, src), dst, 2) for c in caches)
+        return tuple(torch.ops.specc.kv_write(c, c.index_select(2, src), dst, -2) for c in caches)
 
 
 def compaction_program(ep: torch.export.ExportedProgram, compacted: list[str]) -> torch.export.ExportedProgram:
@@ -188,20 +199,33 @@ def _compact_rows(module: torch.fx.GraphModule) -> int:
     return n.args[1].meta["val"].shape[0]
 
 
-def _blocks(ep: torch.export.ExportedProgram) -> None:
-    """Every index_copy (the only way specc writes a cache) becomes a kv_write block, in place."""
+def _blocks(ep: torch.export.ExportedProgram, cache_inputs: set[str]) -> None:
+    """Every index_copy into a cache (the only way specc writes one) becomes a kv_write block, in place."""
     g = ep.graph
+    written = {n for n in g.nodes if n.op == "placeholder" and n.name in cache_inputs}
     for node in list(g.nodes):
-        if node.op != "call_function" or node.target != torch.ops.aten.index_copy.default:
+        if node.op != "call_function" or node.target not in (torch.ops.aten.index_copy.default,
+                                                             torch.ops.specc.kv_write.default):
+            continue
+        if node.args[0] not in written:  # an index_copy into something else stays one
+            continue
+        written.add(node)
+        if node.target == torch.ops.specc.kv_write.default:
             continue
         cache, axis, idx, update = node.args
-        start = _block_start(idx)
+        rank = cache.meta["val"].dim()
+        if rank != 4 or axis % rank != 2:
+            raise ValueError(f"{node.name} writes a {rank}-D cache along axis {axis}; specc's caches are "
+                             f"[batch, kv_heads, slots, head_dim], written along the slots (axis -2).")
+        axis = -2  # TensorScatter's (and TensorRT's) form
+        start = idx if tuple(idx.meta["val"].shape) == (1,) else _block_start(idx)
         if start is None:
             raise ValueError(f"{node.name} writes a cache at slots that are not one contiguous block "
                              f"({idx.format_node()}); the functional (ONNX) graphs write one block per cache.")
         with g.inserting_before(node):
             new = g.call_function(torch.ops.specc.kv_write.default, (cache, update, start, axis))
         new.meta = dict(node.meta)
+        written.add(new)
         node.replace_all_uses_with(new)
         g.erase_node(node)
     g.eliminate_dead_code()

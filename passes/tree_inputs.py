@@ -24,7 +24,8 @@ class TreeInputs(nn.Module):
         cols = torch.arange(S)
         rel = cols - base_len  # the tree's own slots are rel 0..T-1
         in_tree = (rel >= 0) & (rel < T)
-        tree_ok = self.ancestors[:, rel.clamp(0, T - 1)] & in_tree.view(1, S)
+        # where(), not clamp(): an integer clamp exports to Clip, which TensorRT runs on floats only
+        tree_ok = self.ancestors[:, torch.where(in_tree, rel, 0)] & in_tree.view(1, S)
         allowed = (rel < 0).view(1, S) | tree_ok
         mask = additive_mask(allowed).view(1, 1, T, S)  # the target casts it to its dtype
         return self.inner(tokens.view(1, T), positions, slots, mask)

@@ -9,12 +9,12 @@ __version__ = "0.1.0"
 
 from .errors import SpeccError  # noqa: E402
 
-__all__ = ["compile", "load", "CompileConfig", "Engine", "Result", "Stats", "SpeccError", "__version__"]
+__all__ = ["compile", "build", "load", "CompileConfig", "Engine", "Result", "Stats", "SpeccError", "__version__"]
 
 
 def __getattr__(name):
     # Lazy: `specc --help` and argument errors should not pay for importing torch and transformers.
-    if name in ("compile", "load"):
+    if name in ("compile", "build", "load"):
         from . import compiler
         return getattr(compiler, name)
     if name == "CompileConfig":

@@ -152,8 +152,10 @@ def _top_p_filter(probs: Tensor, top_p: Tensor) -> Tensor:
     excl = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], dim=-1)
     first = torch.arange(excl.shape[-1], device=excl.device) == 0
     keep_sorted = (excl < top_p) | first | (top_p >= 1.0)  # exact at top_p >= 1: rounding drops no tail
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    kept = torch.where(keep, probs, torch.zeros_like(probs))
+    # the kept probabilities scattered back to vocabulary order (values moved, not recomputed; a
+    # float scatter, as TensorRT's ScatterElements takes no bool)
+    kept_sorted = torch.where(keep_sorted, sorted_p, torch.zeros_like(sorted_p))
+    kept = torch.zeros_like(probs).scatter(-1, order, kept_sorted)
     return kept / kept.sum(dim=-1, keepdim=True)
 
 

@@ -7,7 +7,8 @@
   hold code only, and a package can be reused for any model with the same graph (the compile
   cache is keyed on the graph text, shapes and versions, not on weight values).
 * onnx: functional ONNX graphs run by onnxruntime (specc/onnx_backend.py).
-* tensorrt: named in the design, not built yet here; it fails with one sentence.
+* tensorrt: the onnx backend's graphs, which must pass the TensorRT lint (specc/trt_lint.py), built
+  into TensorRT engines on the GPU machine that runs them (specc/tensorrt.py).
 """
 from __future__ import annotations
 
@@ -32,15 +33,7 @@ BACKENDS = ("eager", "inductor", "onnx", "tensorrt")
 def check_backend(name: str) -> None:
     if name not in BACKENDS:
         raise SpeccError(f"--backend {name!r} is unknown; use one of {', '.join(BACKENDS)}.")
-    if name == "tensorrt":
-        try:
-            import torch_tensorrt  # noqa: F401
-        except ImportError:
-            raise SpeccError("the tensorrt backend needs torch-tensorrt and TensorRT on a CUDA machine, "
-                             "and torch_tensorrt is not installed here; use --backend inductor or eager.") from None
-        raise SpeccError("the tensorrt backend is not implemented in this version of specc; "
-                         "use --backend inductor or eager.")
-    if name == "onnx":
+    if name in ("onnx", "tensorrt"):  # tensorrt: the onnx graphs, built into engines where they run
         from .onnx_backend import require_onnx
 
         require_onnx()
@@ -234,6 +227,19 @@ class InductorGraph:
             return pytree.tree_unflatten(self.runner.loader.boxed_run([*self.flat_state, *args]), self.out_spec)
 
 
+def require_trt_clean(folder: Path, entry: dict) -> None:
+    """A graph TensorRT would refuse never reaches a tensorrt engine: the lint's first error, in one sentence."""
+    from .trt_lint import engine_graph_files, lint_file
+    from .trt_ops import TRT_VERSION
+
+    for f in engine_graph_files({"graphs": {"g": entry}}):
+        errors = [x for x in lint_file(folder / f, f) if x.severity == "error"]
+        if errors:
+            hint = " (top-p sorts the vocabulary: leave top_p out of --modes)" if "TopK with K" in errors[0].message else ""
+            raise SpeccError(f"graph {f} would not build in TensorRT {TRT_VERSION}: {errors[0].op} "
+                             f"{errors[0].message}{hint}.")
+
+
 def lower_graph(backend: str, ep: torch.export.ExportedProgram, state: dict[str, torch.Tensor], folder: Path,
                 name: str, example_args: tuple, device: str) -> dict:
     """Lower one finished program into the engine directory `folder`; returns its manifest fields
@@ -241,10 +247,13 @@ def lower_graph(backend: str, ep: torch.export.ExportedProgram, state: dict[str,
     (folder / "graphs").mkdir(exist_ok=True)
     if backend == "eager":
         return save_program(ep, state, folder, name)
-    if backend == "onnx":
+    if backend in ("onnx", "tensorrt"):
         from .onnx_backend import lower_onnx
 
-        return lower_onnx(ep, state, folder, name)
+        entry = lower_onnx(ep, state, folder, name)
+        if backend == "tensorrt":
+            require_trt_clean(folder, entry)
+        return entry
     rel = f"graphs/{name}.pt2"
     keys = compile_inductor(on_device(ep, device), state, folder / rel, tuple(a.to(device) for a in example_args))
     return {"file": rel, "state_keys": keys}
@@ -259,4 +268,8 @@ def open_graph(backend: str, folder: Path, entry: dict, state: dict[str, torch.T
         from .onnx_backend import OnnxGraph
 
         return OnnxGraph(folder, entry, state, device)
+    if backend == "tensorrt":
+        from .tensorrt import TensorRTGraph
+
+        return TensorRTGraph(folder, entry, state, device)
     return InductorGraph(folder / entry["file"], state, entry["state_keys"], single_threaded=cuda_graphs)

@@ -1,4 +1,4 @@
-"""The `specc` command: compile, run, bench, inspect, train.
+"""The `specc` command: compile, build, run, bench, inspect, train.
 
 Every user-facing failure is one sentence on stderr and exit code 2; no tracebacks
 (set SPECC_DEBUG=1 to see one for an internal error).
@@ -135,9 +135,11 @@ def cmd_inspect(a) -> int:
     tree = tree_from_paths(m["tree"]["paths"])
     if a.tree_png:
         draw_tree(tree, a.tree_png)
+    lint = trt_lint_report(a.engine, m) if a.trt_lint else None
     if a.json:
-        print(json.dumps({k: v for k, v in m.items() if k != "files"} | {"files": sorted(m["files"])}))
-        return 0
+        print(json.dumps({k: v for k, v in m.items() if k != "files"} | {"files": sorted(m["files"])}
+                         | ({"trt_lint": lint} if lint is not None else {})))
+        return 1 if lint and lint["errors"] else 0
     t = m["target"]
     print(f"engine      {a.engine}")
     print(f"target      {t['name']} ({t['arch']}, {t['num_layers']} layers, vocab {t['vocab_size']})")
@@ -157,6 +159,38 @@ def cmd_inspect(a) -> int:
                 print(f"  {i}. {p}")
     if a.tree_png:
         print(f"tree drawn to {a.tree_png}")
+    if lint is not None:
+        print(f"trt-lint    {lint['graphs']} ONNX graphs against TensorRT {lint['tensorrt']} ({lint['source']}): "
+              f"{lint['errors']} error(s), {lint['notes']} note(s)")
+        for f in lint["findings"]:
+            print(f"  {f['severity']}: {f['graph']}: {f['op']} {f['node']}: {f['message']}")
+        return 1 if lint["errors"] else 0
+    return 0
+
+
+def trt_lint_report(engine: str, m: dict) -> dict:
+    from .trt_lint import engine_graph_files, findings_json, lint_engine
+    from .trt_ops import SOURCE, TRT_VERSION
+
+    if m["backend"] not in ("onnx", "tensorrt"):
+        raise SpeccError(f"--trt-lint reads an engine's ONNX graphs, and this is a {m['backend']} engine; compile it "
+                         f"with --backend onnx or tensorrt.")
+    findings = lint_engine(Path(engine), m)
+    return {"tensorrt": TRT_VERSION, "source": SOURCE, "graphs": len(engine_graph_files(m)),
+            "errors": sum(f.severity == "error" for f in findings), "notes": sum(f.severity == "note" for f in findings),
+            "findings": findings_json(findings)}
+
+
+def cmd_build(a) -> int:
+    from .compiler import build, read_manifest
+
+    out = build(a.engine, progress=not a.json)
+    info = read_manifest(out)["tensorrt"]
+    if a.json:
+        print(json.dumps({"engine": str(out), **info}))
+    else:
+        print(f"built {len(info['plans'])} TensorRT engines with TensorRT {info['tensorrt_version']} for {info['gpu']} "
+              f"in {out}")
     return 0
 
 
@@ -188,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="specc", description="Compile a Hugging Face causal LM and a drafter into a lossless "
                                           "speculative-decoding engine, and run it.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
-    for add in (add_compile, add_run, add_bench, add_inspect, add_train):
+    for add in (add_compile, add_build, add_run, add_bench, add_inspect, add_train):
         add(sub)
     return p
 
@@ -208,7 +242,8 @@ def add_compile(sub) -> None:
                    help="draft-model: use the first N layers (of the target when no --drafter-path)")
     c.add_argument("--tree", default=None, help="chain:K | topk:DEPTH,WIDTH | sequoia:BUDGET | auto | FILE.json")
     c.add_argument("--backend", default="eager", help="eager | inductor | onnx | tensorrt")
-    c.add_argument("--device", default="cpu", help="cpu | cuda[:N]: where the engine runs (inductor compiles for it)")
+    c.add_argument("--device", default=None,
+                   help="cpu | cuda[:N]: where the engine runs (inductor compiles for it); default cpu, cuda for tensorrt")
     c.add_argument("--children", default="topk",
                    help="topk (each node's children are the drafter's top-k) | sampled (dflash, mtp: at temperature "
                         "> 0 children are i.i.d. draws from the drafter's distribution, verified with min(1, p/q))")
@@ -267,8 +302,17 @@ def add_inspect(sub) -> None:
     i.add_argument("engine", metavar="DIR")
     i.add_argument("--passes", action="store_true", help="list the passes that made each graph")
     i.add_argument("--tree-png", default=None, metavar="FILE")
+    i.add_argument("--trt-lint", action="store_true",
+                   help="check every ONNX graph against TensorRT's operator table and restrictions (exit 1 on errors)")
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=cmd_inspect)
+
+
+def add_build(sub) -> None:
+    b = sub.add_parser("build", help="build a tensorrt engine directory's TensorRT engines (on the GPU machine)")
+    b.add_argument("engine", metavar="DIR")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(fn=cmd_build)
 
 
 def add_train(sub) -> None:

@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -86,7 +87,9 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
     modules = build_modules(kind, target.model, weights, entry, tree, cache_len)
     plans = graph_plans(kind, tree, cfg.prefill_chunk, cache_len, cfg.backend, modules.sampled, cfg.modes)
     with staging(out) as stage:
-        states = move_states(modules.states(), cfg.device)
+        # tensorrt: the graphs are exported on this machine's CPU and built on the GPU machine
+        build_device = "cpu" if cfg.backend == "tensorrt" else cfg.device
+        states = move_states(modules.states(), build_device)
         built, graphs = {}, {}
         bar = tqdm(plans, desc=f"compile ({cfg.backend})", unit="graph", disable=not cfg.progress)
         for plan in bar:
@@ -97,7 +100,7 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
             graphs[plan.name] = {
                 "module": plan.module, "tokens": plan.T, "inputs": [[list(a.shape), str(a.dtype)] for a in args],
                 "mode": plan.mode, "passes": plan.passes,
-                **lower_graph(cfg.backend, ep, states[plan.module], stage, plan.name, args, cfg.device)}
+                **lower_graph(cfg.backend, ep, states[plan.module], stage, plan.name, args, build_device)}
         bar.close()
         if cfg.dump_ir:  # the shared first stages were copied into each graph's dump
             shutil.rmtree(Path(cfg.dump_ir) / ".base", ignore_errors=True)
@@ -105,8 +108,52 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
         if target.tokenizer is not None:
             target.tokenizer.save_pretrained(stage / "target")
         kind.save(weights, stage / "draft", target.model)
-        write_manifest(stage, cfg, target, modules.target, entry, tree, report, graphs, cache_len)
+        trt = tensorrt_engines(stage, out, graphs, cfg.progress) if cfg.backend == "tensorrt" else None
+        write_manifest(stage, cfg, target, modules.target, entry, tree, report, graphs, cache_len, trt)
     return out
+
+
+def tensorrt_engines(stage: Path, out: Path, graphs: dict, progress: bool) -> dict:
+    """Build the TensorRT engines now where TensorRT and a GPU are here; else mark them unbuilt, and say so."""
+    from .tensorrt import build_engines, require_tensorrt, unbuilt
+
+    try:
+        require_tensorrt()
+    except SpeccError as why:
+        reason = str(why).split(" (")[0].split(";")[0].rstrip(".")
+        print(f"specc: wrote the ONNX graphs but not the TensorRT engines ({reason}): run `specc build {out}` on the "
+              f"GPU machine that will run this engine.", file=sys.stderr)
+        return unbuilt()
+    return build_engines(stage, {"graphs": graphs}, progress)
+
+
+def build(path, progress: bool = True) -> Path:
+    """`specc build DIR`: build a tensorrt engine directory's TensorRT engines on this machine, in place;
+    the manifest is rewritten last (with the plans' hashes), so a failed build leaves the engine as it was."""
+    from .tensorrt import build_engines, plan_files
+
+    path = Path(path)
+    manifest = read_manifest(path)
+    if manifest["backend"] != "tensorrt":
+        raise SpeccError(f"{str(path)!r} is a {manifest['backend']} engine; `specc build` builds the TensorRT engines "
+                         f"of one compiled with --backend tensorrt.")
+    verify_files(path, {**manifest, "files": {k: v for k, v in manifest["files"].items() if not k.endswith(".plan")}})
+    plans = [path / p for g in manifest["graphs"].values() for _, p in plan_files(g)]
+    try:
+        info = build_engines(path, manifest, progress)
+    except BaseException:
+        for p in plans:
+            if p.name not in manifest["files"]:
+                p.unlink(missing_ok=True)
+        raise
+    files = dict(manifest["files"])
+    for p in plans:
+        files[str(p.relative_to(path))] = sha256_file(p)
+    manifest.update(tensorrt=info, files=files)
+    tmp = path / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=1, default=str))
+    tmp.replace(path / MANIFEST)
+    return path
 
 
 def measure_tree(cfg: CompileConfig, depth_limit: int):
@@ -133,7 +180,7 @@ def measure_tree(cfg: CompileConfig, depth_limit: int):
 
 
 def write_manifest(stage: Path, cfg: CompileConfig, target, target_module: TargetModule, entry: dict, tree: Tree,
-                   report: dict | None, graphs: dict, cache_len: int) -> None:
+                   report: dict | None, graphs: dict, cache_len: int, trt: dict | None = None) -> None:
     """specc.json: versions, what was compiled, and the sha256 of every file (never a pickle)."""
     import transformers
 
@@ -159,6 +206,7 @@ def write_manifest(stage: Path, cfg: CompileConfig, target, target_module: Targe
         "backend": cfg.backend, "device": cfg.device, "dtype": str(cfg.torch_dtype).replace("torch.", ""),
         "modes": list(cfg.modes), "max_len": cfg.max_len, "prefill_chunk": cfg.prefill_chunk, "cache_len": cache_len,
         "graphs": graphs,
+        **({"tensorrt": trt} if trt is not None else {}),
         "files": files,
     }
     (stage / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
@@ -245,8 +293,13 @@ def load(path, check_hashes: bool = True, device: str | None = None, cuda_graphs
     manifest = read_manifest(path)
     if check_hashes:
         verify_files(path, manifest)
+    if manifest["backend"] == "tensorrt":
+        from .tensorrt import check_built
+
+        check_built(manifest, path)
     backend, device = manifest["backend"], run_device(manifest, device)
-    cuda_graphs = cuda_graphs and torch.device(device).type == "cuda"
+    # onnxruntime and TensorRT run their own launches: CUDA-graph capture is for the torch backends
+    cuda_graphs = cuda_graphs and torch.device(device).type == "cuda" and backend in ("eager", "inductor")
     dtype = parse_dtype(manifest["dtype"])
     model = AutoModelForCausalLM.from_pretrained(path / "target", dtype=dtype).eval().requires_grad_(False)
     try:

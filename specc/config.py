@@ -30,7 +30,7 @@ class CompileConfig:
     drafter: str = "none"
     tree: str | None = None  # None: the drafter kind's default
     backend: str = "eager"
-    device: str = "cpu"
+    device: str | None = None  # cpu; cuda for tensorrt (its engines are built and run on the GPU machine)
     drafter_path: str | Path | None = None
     drafter_layers: int | None = None
     block_size: int | None = None
@@ -56,8 +56,17 @@ class CompileConfig:
         kind = get_kind(self.drafter)
         check_backend(self.backend)
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
-        set_("device", check_device(self.device))
+        if self.backend == "tensorrt":
+            # The graphs are exported here and built into TensorRT engines where they run (`specc build`).
+            if torch.device(self.device or "cuda").type != "cuda":
+                raise SpeccError("TensorRT engines run on CUDA GPUs; use --backend tensorrt with --device cuda.")
+            set_("device", self.device or "cuda")
+        else:
+            set_("device", check_device(self.device or "cpu"))
         set_("torch_dtype", parse_dtype(self.dtype))
+        if self.backend == "onnx" and self.torch_dtype == torch.bfloat16:
+            raise SpeccError("the onnx backend runs float32 and float16 engines (onnxruntime has few bfloat16 "
+                             "kernels); use --dtype float32 or float16.")
         set_("modes", parse_modes(self.modes))
         if self.children not in CHILDREN:
             raise SpeccError(f"--children {self.children!r} is unknown; use topk or sampled.")
@@ -78,6 +87,10 @@ class CompileConfig:
     def _check_tree(self, kind) -> Tree:
         spec = self.tree_spec
         if is_measured(spec):
+            if self.backend == "tensorrt":
+                raise SpeccError(f"--tree {spec} is measured by running candidate engines, which a tensorrt engine "
+                                 f"cannot do before `specc build`; measure it with --backend onnx or inductor and pass "
+                                 f"the tree it picked.")
             if spec.strip() != "auto":
                 parse_tree(spec, acceptance=[[1.0]])  # the form and budget; the tree itself is measured
             if not kind.MEASURED_TREES:

@@ -195,7 +195,7 @@ class Attention(nn.Module):
         # Heads h = kv * G + g share kv head kv: fold g into the query length, never copy K/V.
         qg = q.reshape(KV, G * M, D)
         mg = mask.repeat(G, 1) if G > 1 else mask
-        o = F.scaled_dot_product_attention(qg.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mg)
+        o = F.scaled_dot_product_attention(qg.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mg[None, None])
         o = o[0].reshape(self.n_heads, M, D).transpose(0, 1).reshape(M, self.n_heads * D)
         return self.o_proj(o)
 
@@ -404,10 +404,11 @@ class DFlashStep(nn.Module):
         self.lm_head_weight = nn.Parameter(lm_head_weight, requires_grad=False)
         self.cache_len = cache_len
         dtype = drafter.fc.weight.dtype
+        # [1, KV, S, D]: the target's cache layout, the one TensorRT's in-place KV update takes (4-D, axis -2)
         for i in range(cfg.num_layers):
-            self.register_buffer(f"k_cache_{i}", torch.zeros(cfg.num_kv_heads, cache_len, cfg.head_dim, dtype=dtype),
+            self.register_buffer(f"k_cache_{i}", torch.zeros(1, cfg.num_kv_heads, cache_len, cfg.head_dim, dtype=dtype),
                                  persistent=False)
-            self.register_buffer(f"v_cache_{i}", torch.zeros(cfg.num_kv_heads, cache_len, cfg.head_dim, dtype=dtype),
+            self.register_buffer(f"v_cache_{i}", torch.zeros(1, cfg.num_kv_heads, cache_len, cfg.head_dim, dtype=dtype),
                                  persistent=False)
 
     def signature(self, mode: str = "greedy") -> DraftSignature:
@@ -436,9 +437,9 @@ class DFlashStep(nn.Module):
         for i, layer in enumerate(self.drafter.layers):
             k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
             k_new, v_new = layer.self_attn.kv(ctx, ccos, csin)
-            k_cache.index_copy_(1, ctx_pos, k_new)
-            v_cache.index_copy_(1, ctx_pos, v_new)
-            x = layer(x, cos, sin, k_cache, v_cache, mask)
+            k_cache.index_copy_(2, ctx_pos, k_new.unsqueeze(0))
+            v_cache.index_copy_(2, ctx_pos, v_new.unsqueeze(0))
+            x = layer(x, cos, sin, k_cache[0], v_cache[0], mask)
         logits = F.linear(self.drafter.norm(x)[1:], self.lm_head_weight)
         if self.sampled and s.mode != "greedy":
             return sampled_drafts(logits, self.draft_depth, self.draft_rank, self.width, s.temperature, s.top_p,

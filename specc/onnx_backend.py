@@ -61,24 +61,34 @@ def kv_write_translation(opset: int):
         from onnxscript.onnx_opset import opset24 as op
 
         def kv_write(cache, update, start, axis: int):
-            return op.TensorScatter(cache, update, op.Reshape(start, op.Constant(value_ints=[1])), axis=axis)
+            # write_indices has one start per row of the leading (batch) axis: the same start for each
+            starts = op.Expand(op.Reshape(start, op.Constant(value_ints=[1])), op.Shape(cache, start=0, end=1))
+            return op.TensorScatter(cache, update, starts, axis=axis)
         return kv_write
 
     from onnxscript.onnx_opset import opset18 as op
 
     def kv_write_scatternd(cache, update, start, axis: int):
-        # ScatterND indexes leading axes: move the written axis first, scatter rows start + i, move it back.
-        rank = 4 if axis in (2, -2) else 3
-        ax = axis % rank
-        perm = [ax] + [i for i in range(rank) if i != ax]
-        back = [perm.index(i) for i in range(rank)]
-        rows = op.Shape(update, start=ax, end=ax + 1)
+        # ScatterND indexes leading axes: the slots axis (-2 of [B, KV, S, D]) moved first, rows
+        # start + i written, moved back.
+        perm, back = [2, 0, 1, 3], [1, 2, 0, 3]
+        rows = op.Shape(update, start=2, end=3)
         idx = op.Add(op.Range(op.Constant(value_int=0), op.Squeeze(rows), op.Constant(value_int=1)),
                      op.Reshape(start, op.Constant(value_ints=[1])))
         out = op.ScatterND(op.Transpose(cache, perm=perm), op.Unsqueeze(idx, op.Constant(value_ints=[1])),
                            op.Transpose(update, perm=perm), reduction="none")
         return op.Transpose(out, perm=back)
     return kv_write_scatternd
+
+
+def sort_translation(self, stable: bool = False, dim: int = -1, descending: bool = False):
+    """aten.sort (top-p's stable descending sort of the vocabulary) as TopK over the whole axis: ONNX's
+    TopK puts equal values in index order, which is the stable sort. (TensorRT's TopK takes K < 3840:
+    the lint reports top-p graphs of larger vocabularies.)"""
+    from onnxscript.onnx_opset import opset24 as op
+
+    k = op.Shape(self, start=dim, end=dim + 1 if dim != -1 else None)
+    return op.TopK(self, k, axis=dim, largest=1 if descending else 0, sorted=1)
 
 
 def to_onnx(ep: torch.export.ExportedProgram, input_names: list[str], output_names: list[str], opset: int = OPSET):
@@ -90,7 +100,8 @@ def to_onnx(ep: torch.export.ExportedProgram, input_names: list[str], output_nam
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # torchvision-not-installed chatter
     prog = torch.onnx.export(ep, (), None, dynamo=True, opset_version=opset, input_names=input_names,
                              output_names=output_names, verbose=False,
-                             custom_translation_table={kv_write._opoverload: kv_write_translation(opset)})
+                             custom_translation_table={kv_write._opoverload: kv_write_translation(opset),
+                                                       torch.ops.aten.sort.stable: sort_translation})
     return prog.model
 
 
@@ -172,7 +183,9 @@ def lower_onnx(ep: torch.export.ExportedProgram, state: dict[str, torch.Tensor],
     externalize(model, weights, {k: v for k, v in param_names.items() if v in state})
     rel = f"graphs/{name}.onnx"
     save_model(model, folder / rel)
-    entry = {"file": rel, "caches": fp.caches, "outputs": n_out, "opset": opset, "compact": None}
+    entry = {"file": rel, "caches": fp.caches, "outputs": n_out, "opset": opset, "compact": None,
+             # what the program returns: a tuple, or one tensor (as its eager module does)
+             "tuple": ep.call_spec.out_spec.type in (tuple, list)}
     if fp.compacted:
         cep = compaction_program(ep, fp.compacted)
         cmodel = to_onnx(cep, [f"past.{c}" for c in fp.compacted] + ["src", "dst"],
@@ -238,8 +251,7 @@ def _session(model_path: Path, device: str):
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3  # TensorScatter's "copying past_cache" notice: fresh sessions warn once
     names, values = _initializer_values(model_path)
-    import os
-    if names and not os.environ.get('NOSHARE'):
+    if names:
         so.add_external_initializers(names, values)
     providers = ["CUDAExecutionProvider"] if torch.device(device).type == "cuda" else ["CPUExecutionProvider"]
     if providers[0] not in ort.get_available_providers():
@@ -290,7 +302,7 @@ class OnnxGraph:
         n_out = entry["outputs"]
         self.inputs = [i.name for i in self.session.get_inputs() if not i.name.startswith("past.")]
         outs = [o.name for o in self.session.get_outputs() if not o.name.startswith("present.")]
-        self.n_out = n_out
+        self.n_out, self.tuple = n_out, entry["tuple"]
         self.compact = None
         # Two bindings with their own output buffers, used alternately; the caches are bound once, in place.
         self.sets = []
@@ -325,4 +337,4 @@ class OnnxGraph:
         if self.compact is not None:
             self.compact[self.turn].run()
         self.turn ^= 1
-        return tuple(bufs[:self.n_out])
+        return tuple(bufs[:self.n_out]) if self.tuple else bufs[0]

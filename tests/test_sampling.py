@@ -58,9 +58,9 @@ def g_test(samples: list[tuple], probs: np.ndarray) -> float:
     return float(chi2.sf(g, len(obs) - 1))
 
 
-def sample_runs(root, tmp_path, tree="chain:3"):
+def sample_runs(root, tmp_path, tree="chain:3", backend="eager"):
     path = specc.compile(root / "target", drafter="draft-model", drafter_path=root / "draft", tree=tree,
-                         backend="eager", output_dir=tmp_path / "engine", max_len=32, prefill_chunk=4,
+                         backend=backend, output_dir=tmp_path / "engine", max_len=32, prefill_chunk=4,
                          progress=False, modes="sample")
     engine = specc.load(path)
     out, steps = [], 0
@@ -71,15 +71,22 @@ def sample_runs(root, tmp_path, tree="chain:3"):
     return out, steps
 
 
-def test_speculative_sampling_matches_target(models, tmp_path):
+# onnx: the acceptance rule as standard ONNX operators, run by onnxruntime
+BACKENDS = ["eager", pytest.param("onnx", marks=pytest.mark.skipif(
+    __import__("importlib").util.find_spec("onnxruntime") is None, reason="onnxruntime is not installed"))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_speculative_sampling_matches_target(models, tmp_path, backend):
     root, target = models
-    samples, steps = sample_runs(root, tmp_path)
+    samples, steps = sample_runs(root, tmp_path, backend=backend)
     assert steps < RUNS * (NEW - 1)  # drafts were accepted, so the rule was exercised
     p = g_test(samples, exact_distribution(target, 1.0))
     assert p > 1e-3, f"speculative samples differ from the target distribution (p={p:.2e})"
 
 
-def test_wrong_acceptance_rule_is_detected(models, tmp_path, monkeypatch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wrong_acceptance_rule_is_detected(models, tmp_path, monkeypatch, backend):
     """Negative control: accepting drafts with probability min(1, 2 p(x)) must fail the same test."""
     def over_accepting(logits, tokens, parents, children, temperature, top_p, uniforms, draft_probs=None, mode=None):
         if mode == "greedy":  # the draft model's graphs
@@ -89,7 +96,7 @@ def test_wrong_acceptance_rule_is_detected(models, tmp_path, monkeypatch):
 
     monkeypatch.setattr(accept_pass, "accept_tree", over_accepting)
     root, target = models
-    samples, _ = sample_runs(root, tmp_path)
+    samples, _ = sample_runs(root, tmp_path, backend=backend)
     p = g_test(samples, exact_distribution(target, 1.0))
     assert p < 1e-3, f"the wrong rule was not detected (p={p:.2e})"
 

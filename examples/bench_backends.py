@@ -1,0 +1,94 @@
+"""The backends side by side on SmolLM2 (BENCHMARKS.md): eager, inductor and onnx engines of one
+configuration, plain and speculative decoding, in one run.
+
+Each prompt runs on every backend back to back, --rounds times, the backend order rotated every
+round, so the backends see the same machine state. Figures: median tokens/s over prompt runs
+(prefill included), median decode ms per step (prefill excluded), tau, the cost of a step relative
+to plain decoding through the same backend (c(T)), and whether every backend gave the same tokens.
+
+Usage: python examples/bench_backends.py [--backends eager,inductor,onnx] [--drafter ngram] [--tree chain:4]
+           [--limit 4] [--rounds 2] [--max-new-tokens 128] [--dataset mt-bench] [--engines DIR]
+           [--write BENCHMARKS.md] [--json]
+Prints the run; writes it (under History, newest first, Current figures regenerated) only with --write.
+"""
+import argparse
+import statistics
+import sys
+
+import specc
+from specc import benchfile
+from specc.data import load_prompts
+from specc.models import quiet_libraries
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    benchfile.add_arguments(ap, limit=4, max_new_tokens=128)
+    ap.add_argument("--backends", default="eager,inductor,onnx")
+    ap.add_argument("--drafter", default="ngram")
+    ap.add_argument("--tree", default="chain:4")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dataset", default="mt-bench")
+    ap.add_argument("--engines", default="engines/bench-backends")
+    a = ap.parse_args()
+    cmd = benchfile.command_line()
+    backends = a.backends.split(",")
+    engines = {}
+    for b in backends:
+        path = specc.compile(None, drafter=a.drafter, tree=a.tree, backend=b, output_dir=f"{a.engines}/{b}",
+                             max_len=1024, progress=not a.json, modes="greedy")
+        engines[b] = specc.load(path)
+    ids = [engines[backends[0]].encode(p, chat=True) for p in load_prompts(a.dataset, a.limit)]
+    for e in engines.values():  # warm-up
+        e.generate(ids[0], max_new_tokens=8, stop_at_eos=False)
+        e.generate(ids[0], max_new_tokens=8, stop_at_eos=False, speculate=False)
+
+    stats = {(b, m): {"tps": [], "ms": [], "tau": []} for b in backends for m in ("plain", "spec")}
+    differ = 0
+    for rnd in range(a.rounds):
+        order = backends[rnd % len(backends):] + backends[:rnd % len(backends)]
+        for x in ids:
+            outs = []
+            for b in order:
+                for mode in ("plain", "spec"):
+                    r = engines[b].generate(x, max_new_tokens=a.max_new_tokens, stop_at_eos=False,
+                                            speculate=mode == "spec")
+                    s = stats[(b, mode)]
+                    s["tps"].append(r.stats.tokens_per_s)
+                    s["ms"].append(1000 * (r.stats.wall_s - r.stats.prefill_s) / r.stats.steps)
+                    s["tau"].append(r.stats.tau)
+                    outs.append(r.token_ids)
+            differ += any(o != outs[0] for o in outs)
+
+    med = {k: {f: statistics.median(v[f]) for f in v} for k, v in stats.items()}
+    base = med[(backends[0], "plain")]["tps"]
+    lines = [f"| backend | plain tokens/s | plain ms/step | {a.drafter} {a.tree} tokens/s | ms/step | tau | "
+             f"c(T) | speedup vs its plain | tokens/s vs {backends[0]} plain |", "|---|---|---|---|---|---|---|---|---|"]
+    figures = []
+    for b in backends:
+        p, s = med[(b, "plain")], med[(b, "spec")]
+        lines.append(f"| {b} | {p['tps']:.1f} | {p['ms']:.2f} | {s['tps']:.1f} | {s['ms']:.2f} | {s['tau']:.2f} | "
+                     f"{s['ms'] / p['ms']:.2f} | {s['tps'] / p['tps']:.2f}x | {s['tps'] / base:.2f}x |")
+        n = len(ids)
+        figures.append(benchfile.figure(f"plain decoding, {b} backend", a.dataset, model="SmolLM2-135M-Instruct",
+                                        tau=1.0, tokens_per_s=p["tps"], vs_plain=1.0, new_tokens=a.max_new_tokens,
+                                        prompts=n))
+        figures.append(benchfile.figure(f"{a.drafter} {a.tree}, {b} backend", a.dataset,
+                                        model="SmolLM2-135M-Instruct", tau=s["tau"], tokens_per_s=s["tps"],
+                                        vs_plain=s["tps"] / p["tps"], new_tokens=a.max_new_tokens, prompts=n))
+    fastest = max(backends, key=lambda b: med[(b, "spec")]["tps"])
+    fastest_plain = min(backends, key=lambda b: med[(b, "plain")]["ms"])
+    lines += ["", f"Fastest here: {fastest} for {a.drafter} {a.tree}, {fastest_plain} for plain decoding (decode "
+                  f"ms/step). Same tokens on every backend: {len(ids) * a.rounds - differ}/{len(ids) * a.rounds} "
+                  f"prompt runs."]
+    setup = (f"SmolLM2-135M-Instruct, fp32, greedy, first {len(ids)} {a.dataset} prompts (chat template) x "
+             f"{a.max_new_tokens} new tokens x {a.rounds} rounds, backends interleaved per prompt (order rotated "
+             f"each round), EOS ignored, warm-up excluded; medians over prompt runs; tokens/s includes prefill, "
+             f"ms/step excludes it; c(T) = speculative ms/step / plain ms/step on the same backend.")
+    run = benchfile.new_run("Backends side by side", figures, command=cmd)
+    return benchfile.finish(a, run, setup, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    quiet_libraries()
+    sys.exit(main())
