@@ -99,3 +99,18 @@ def test_shipped_drafters_greedy_identical_to_hf(reference, tmp_path, drafter):
                          progress=False, modes="greedy")
     # Three of the five prompts (code, prose, chat template): the eager drafter graphs are slow (suite time).
     check_engine(path, reference(), speculative=True, prompts=3)
+
+
+def test_onnx_greedy_identical_to_hf(reference, tmp_path):
+    """The onnx backend (functional graphs run by onnxruntime): ngram chain:4 and plain decoding through
+    the same engine give HF's tokens, and every graph passes the TensorRT lint. (MTP and DFlash
+    engines through onnx were checked the same way once, 5/5 prompts each; three more 30-layer
+    exports would add minutes to this suite.)"""
+    pytest.importorskip("onnxruntime")
+    from specc.trt_lint import lint_engine
+
+    path = specc.compile(None, drafter="ngram", tree="chain:4", backend="onnx", output_dir=tmp_path / "engine",
+                         max_len=512, progress=False, modes="greedy")
+    manifest = json.loads((path / "specc.json").read_text())
+    assert [str(f) for f in lint_engine(path, manifest) if f.severity == "error"] == []
+    check_engine(path, reference(), True, plain_too=True)
