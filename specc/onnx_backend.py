@@ -270,6 +270,9 @@ def _session(model_path: Path, device: str):
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.log_severity_level = 3  # TensorScatter's "copying past_cache" notice: fresh sessions warn once
+    # as many threads as torch uses here (one process runs one graph at a time; more would oversubscribe)
+    so.intra_op_num_threads = torch.get_num_threads()
+    so.inter_op_num_threads = 1
     names, values = _initializer_values(model_path)
     if names:
         so.add_external_initializers(names, values)

@@ -32,6 +32,13 @@ _BY_OUTPUT = {"Constant", "ConstantOfShape", "Range", "Shape", "Size", "EyeLike"
 _CONST_AXES = {"CumSum": 1, "Squeeze": 1, "Unsqueeze": 1, **{op: 1 for op in SUPPORTED if op.startswith("Reduce")}}
 
 
+PLAIN_SCATTER = "none"  # ScatterND's reduction attribute when it writes (TensorRT's only one)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 @dataclass
 class Finding:
     graph: str
@@ -141,7 +148,7 @@ def lint_model(model, name: str = "graph") -> list[Finding]:
             bad(node, f"{ref} is {ty}; TensorRT runs {op} on {', '.join(allowed)}")
         if op.startswith("Random"):
             bad(node, "random numbers in the graph (TensorRT ignores the seed); pass them in as inputs")
-        elif op == "ScatterND" and _attr(node, "reduction", b"none") not in (b"none", "none"):
+        elif op == "ScatterND" and _text(_attr(node, "reduction", PLAIN_SCATTER)) != PLAIN_SCATTER:
             bad(node, "ScatterND with a reduction; TensorRT takes reduction none only")
         elif op == "TopK":
             if _attr(node, "sorted", 1) != 1:

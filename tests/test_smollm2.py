@@ -103,8 +103,8 @@ def test_shipped_drafters_greedy_identical_to_hf(reference, tmp_path, drafter):
 
 def test_onnx_greedy_identical_to_hf(reference, tmp_path):
     """The onnx backend (functional graphs run by onnxruntime): ngram chain:4 and plain decoding through
-    the same engine give HF's tokens, and every graph passes the TensorRT lint. (MTP and DFlash
-    engines through onnx were checked the same way once, 5/5 prompts each; three more 30-layer
+    the same engine give HF's tokens, and every graph passes the TensorRT lint. (All five prompts, and
+    MTP and DFlash engines through onnx, were checked the same way once, 5/5 each; more 30-layer
     exports would add minutes to this suite.)"""
     pytest.importorskip("onnxruntime")
     from specc.trt_lint import lint_engine
@@ -113,4 +113,6 @@ def test_onnx_greedy_identical_to_hf(reference, tmp_path):
                          max_len=512, progress=False, modes="greedy")
     manifest = json.loads((path / "specc.json").read_text())
     assert [str(f) for f in lint_engine(path, manifest) if f.severity == "error"] == []
-    check_engine(path, reference(), True, plain_too=True)
+    check_engine(path, reference(), True, prompts=3)
+    ids, expected = reference()[0]
+    assert specc.load(path).generate(ids, max_new_tokens=NEW, speculate=False).token_ids == expected
