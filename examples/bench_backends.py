@@ -7,7 +7,7 @@ round, so the backends see the same machine state. Figures: median tokens/s over
 to plain decoding through the same backend (c(T)), and whether every backend gave the same tokens.
 
 Usage: python examples/bench_backends.py [--backends eager,inductor,onnx] [--drafter ngram] [--tree chain:4]
-           [--limit 4] [--rounds 2] [--max-new-tokens 128] [--dataset mt-bench] [--engines DIR]
+           [--limit 4] [--rounds 2] [--max-new-tokens 128] [--dataset mt-bench] [--engines DIR] [--max-len 512]
            [--write BENCHMARKS.md] [--json]
 Prints the run; writes it (under History, newest first, Current figures regenerated) only with --write.
 """
@@ -30,13 +30,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dataset", default="mt-bench")
     ap.add_argument("--engines", default="engines/bench-backends")
+    ap.add_argument("--max-len", type=int, default=512)
     a = ap.parse_args()
     cmd = benchfile.command_line()
     backends = a.backends.split(",")
     engines = {}
     for b in backends:
         path = specc.compile(None, drafter=a.drafter, tree=a.tree, backend=b, output_dir=f"{a.engines}/{b}",
-                             max_len=1024, progress=not a.json, modes="greedy")
+                             max_len=a.max_len, progress=not a.json, modes="greedy")
         engines[b] = specc.load(path)
     ids = [engines[backends[0]].encode(p, chat=True) for p in load_prompts(a.dataset, a.limit)]
     for e in engines.values():  # warm-up
