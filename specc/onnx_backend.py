@@ -273,6 +273,8 @@ def _session(model_path: Path, device: str):
     # as many threads as torch uses here (one process runs one graph at a time; more would oversubscribe)
     so.intra_op_num_threads = torch.get_num_threads()
     so.inter_op_num_threads = 1
+    # no spinning after a run: the host and torch's graphs share these cores between calls
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     names, values = _initializer_values(model_path)
     if names:
         so.add_external_initializers(names, values)
