@@ -154,7 +154,7 @@ def lint_model(model, name: str = "graph") -> list[Finding]:
             if _attr(node, "sorted", 1) != 1:
                 bad(node, "TopK must be sorted")
             k = node.input[1] if len(node.input) > 1 else None
-            kval = _k_value(g, k, types) if k else None
+            kval = _k_value(g, k) if k else None
             if k and k not in const:
                 bad(node, "TopK's K is not a build-time constant")
             elif kval is not None and kval > TOPK_MAX:
@@ -191,7 +191,7 @@ def lint_model(model, name: str = "graph") -> list[Finding]:
     return findings
 
 
-def _k_value(graph, name, types):
+def _k_value(graph, name):
     v = _constant_value(graph, name)
     if v is not None:
         import numpy as np
