@@ -41,18 +41,43 @@ _BLOCK = re.compile(r"^<!-- specc-run\n(.*?)\n-->$", re.S | re.M)
 # -- the machine and the command -------------------------------------------------------------------
 
 def machine(device: str = "cpu") -> dict:
-    """This machine as a run records it: architecture, cores, device, torch version, threads."""
+    """This machine as a run records it: architecture, cores, device, torch version, threads, and on a
+    CPU the weight-streaming rate of the day (see matvec_gb_s)."""
     import torch
 
-    dev = torch.cuda.get_device_name(device) if str(device).startswith("cuda") else "CPU"
-    return {"platform": platform.machine(), "cores": os.cpu_count(), "device": dev,
-            "torch": torch.__version__, "threads": torch.get_num_threads()}
+    on_cuda = str(device).startswith("cuda")
+    dev = torch.cuda.get_device_name(device) if on_cuda else "CPU"
+    m = {"platform": platform.machine(), "cores": os.cpu_count(), "device": dev,
+         "torch": torch.__version__, "threads": torch.get_num_threads()}
+    return m if on_cuda else m | {"matvec_gb_s": matvec_gb_s()}
+
+
+def matvec_gb_s(mb: int = 256, reps: int = 5) -> float:
+    """GB/s at which one vector times an fp32 matrix of `mb` MB (far beyond any cache) streams the matrix,
+    median of `reps`: plain decoding's floor on a CPU. The shared machines here vary by 2x and more from
+    day to day (2026-12-02: 22 GB/s, with every engine 4x slower than the week before), so a run records
+    the figure and runs of different days compare through it."""
+    import statistics
+    import time
+
+    import torch
+
+    w = torch.full((mb * 2**20 // 4 // 1024, 1024), 0.5)
+    x = torch.full((1, 1024), 0.5)
+    x @ w.T  # warm-up: first touch of the pages
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        x @ w.T
+        times.append(time.perf_counter() - t)
+    return round(w.numel() * 4 / statistics.median(times) / 1e9, 1)
 
 
 def machine_text(m: dict) -> str:
-    """e.g. "x86_64, 2 cores, torch 2.13.0+cpu (CPU), 2 threads"."""
+    """e.g. "x86_64, 2 cores, torch 2.13.0+cpu (CPU), 2 threads, matvec 22.3 GB/s"."""
     text = f"{m['platform']}, {m['cores']} cores, torch {m['torch']} ({m['device']})"
-    return text + (f", {m['threads']} threads" if m.get("threads") else "")
+    text += f", {m['threads']} threads" if m.get("threads") else ""
+    return text + (f", matvec {m['matvec_gb_s']} GB/s" if m.get("matvec_gb_s") else "")
 
 
 def machine_key(m: dict) -> str:
