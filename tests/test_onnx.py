@@ -75,22 +75,22 @@ def test_ngram_onnx_equals_eager_and_hf(tmp_path):
 
 def test_mtp_sampled_children_onnx_equals_eager(tmp_path):
     """Tree verification with children drawn from the drafter (q as a graph output, uniforms as
-    inputs), through the fused step, greedy and top-p (sample mode: the DFlash test, unfused too, and
-    test_sampling.py's statistical test on onnx)."""
-    model, dpath, _ = mtp_target(tmp_path)
-    _, runs = assert_same_as_eager(tmp_path, tmp_path / "m", [SETTINGS[0], SETTINGS[2]], fused=(True,),
-                                   drafter="mtp", drafter_path=dpath, tree="topk:2,2", children="sampled",
-                                   modes="greedy,top_p")
-    assert runs[0].token_ids == hf_greedy(model, PROMPT, 20)
+    inputs), through the fused step, with top-p (greedy and sample modes: the other tests here, and
+    test_sampling.py's statistical test on onnx; one mode's graphs keep this test's time down)."""
+    _, dpath, _ = mtp_target(tmp_path)
+    assert_same_as_eager(tmp_path, tmp_path / "m", [SETTINGS[2]], fused=(True,), drafter="mtp", drafter_path=dpath,
+                         tree="topk:2,2", children="sampled", modes="top_p")
 
 
 def test_dflash_onnx_equals_eager(tmp_path):
-    """DFlash's context caches ([KV, S, D] per layer) are caches too: lifted and written as one block."""
+    """DFlash's context caches ([1, KV, S, D] per layer) are caches too: lifted and written as one block;
+    fused and unfused steps, greedy (sampled modes through onnx: the MTP test here, top-p with sampled
+    children, and test_sampling.py's statistical test on a draft-model engine)."""
     model = tiny_model("llama", vocab=64, layers=3, seed=2)
     model.save_pretrained(tmp_path / "m")
     dpath, _ = random_dflash(model, tmp_path / "d", block=4)
-    _, runs = assert_same_as_eager(tmp_path, tmp_path / "m", SETTINGS[:2], fused=(True, False), drafter="dflash",
-                                   drafter_path=dpath, tree="topk:2,2", modes="greedy,sample")
+    _, runs = assert_same_as_eager(tmp_path, tmp_path / "m", SETTINGS[:1], fused=(True, False), drafter="dflash",
+                                   drafter_path=dpath, tree="topk:2,2", modes="greedy")
     assert runs[0].token_ids == hf_greedy(model, PROMPT, 20)
 
 
