@@ -49,7 +49,24 @@ def machine(device: str = "cpu") -> dict:
     dev = torch.cuda.get_device_name(device) if on_cuda else "CPU"
     m = {"platform": platform.machine(), "cores": os.cpu_count(), "device": dev,
          "torch": torch.__version__, "threads": torch.get_num_threads()}
-    return m if on_cuda else m | {"matvec_gb_s": matvec_gb_s()}
+    return m if on_cuda else m | {"cpu": cpu_model(), "matvec_gb_s": matvec_gb_s()}
+
+
+def cpu_model() -> str:
+    """The CPU as /proc/cpuinfo names it, with its widest vector units: this project's machines are
+    not one CPU (AVX2-only on some days, AVX-512 with AMX on others), and compute-bound figures
+    (verify steps, training) differ by several times between them."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or "unknown"
+    name = re.search(r"^model name\s*:\s*(.*)$", info, re.M)
+    model = re.search(r"^model\s*:\s*(\d+)$", info, re.M)
+    flag_line = re.search(r"^flags\s*:\s*(.*)$", info, re.M)
+    flags = set(flag_line.group(1).split()) if flag_line else set()
+    units = [u for u, f in (("AMX", "amx_tile"), ("AVX-512", "avx512f"), ("AVX2", "avx2")) if f in flags]
+    text = (name.group(1).strip() if name else "unknown") + (f" (model {model.group(1)})" if model else "")
+    return text + (f", {' + '.join(units[:2])}" if units else "")
 
 
 def matvec_gb_s(mb: int = 256, reps: int = 5) -> float:
@@ -77,6 +94,7 @@ def machine_text(m: dict) -> str:
     """e.g. "x86_64, 2 cores, torch 2.13.0+cpu (CPU), 2 threads, matvec 22.3 GB/s"."""
     text = f"{m['platform']}, {m['cores']} cores, torch {m['torch']} ({m['device']})"
     text += f", {m['threads']} threads" if m.get("threads") else ""
+    text += f", {m['cpu']}" if m.get("cpu") else ""
     return text + (f", matvec {m['matvec_gb_s']} GB/s" if m.get("matvec_gb_s") else "")
 
 
