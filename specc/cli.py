@@ -335,6 +335,16 @@ def add_train(sub) -> None:
     t.add_argument("--seed", type=int)
     t.add_argument("--eval-every", type=int, dest="eval_every")
     t.add_argument("--checkpoint-every", type=int, dest="checkpoint_every")
+    t.add_argument("--soft", type=float, help="weight of the loss toward the target's top-k distribution, 0-1 "
+                   "(features only; default 0: its argmax alone)")
+    t.add_argument("--features", help="teacher-forced target features: a folder shared between runs (extracted "
+                   "there when --feature-tokens asks for more than it holds)")
+    t.add_argument("--feature-tokens", type=int, dest="feature_tokens",
+                   help="extract features until the folder holds this many positions (resumable)")
+    t.add_argument("--feature-sources", dest="feature_sources",
+                   help="corpora for the features: sharegpt,code (default both; code = the Python standard library)")
+    t.add_argument("--feature-max-len", type=int, dest="feature_max_len", help="tokens per feature sequence "
+                   "(default 1024)")
     t.add_argument("--smoke", action="store_true", help="a tiny random target and a few steps (for CI)")
     t.add_argument("--json", action="store_true")
     t.set_defaults(fn=cmd_train)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .errors import SpeccError
+from .features import normalised as _norm
 
 DRAFTERS = ("dflash", "mtp")
 
@@ -55,6 +56,15 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 200
     checkpoint_every: int = 100
+    soft: float = 0.0  # weight of the cross-entropy to the target's top-k distribution (features only)
+    # Teacher-forced features (specc.features): a folder, shared between runs; extracted up to
+    # feature_tokens positions when it holds fewer. Steps then draw from it and from the regenerated
+    # sequences (--prompts, 0 for none) in proportion to their numbers of sequences.
+    features: str | None = None
+    feature_tokens: int = 0
+    feature_sources: str = "sharegpt,code"
+    feature_max_len: int = 1024
+    feature_shard_tokens: int = 1 << 17
 
     def __post_init__(self):
         if self.block_size is None:
@@ -67,12 +77,18 @@ class TrainConfig:
             raise SpeccError(f"--labels {self.labels!r} is unknown; use regenerate or data.")
         for name in ("layers", "prompts", "eval_prompts", "steps", "anchors", "response_len", "gen_batch",
                      "eval_every", "checkpoint_every"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) < (0 if name == "prompts" and self.features else 1):
                 raise SpeccError(f"--{name.replace('_', '-')} must be at least 1.")
+        if not 0.0 <= self.soft <= 1.0:
+            raise SpeccError("--soft must be between 0 and 1 (the weight of the soft targets).")
+        if self.features and self.eval_prompts > HELD_OUT_RESERVE:
+            raise SpeccError(f"--eval-prompts may be at most {HELD_OUT_RESERVE} with --features (the conversations "
+                             f"kept out of every feature extraction).")
         if self.block_size < 2:
             raise SpeccError("--block-size must be at least 2 (one draft token).")
 
 
+HELD_OUT_RESERVE = 64  # the first ShareGPT prompts: held out of every feature extraction
 DATA_FIELDS = ("labels", "prompts", "eval_prompts", "max_prompt_len", "response_len", "seed")  # what the sequences depend on
 SMOKE = dict(layers=1, block_size=4, taps=2, prompts=8, eval_prompts=2, max_prompt_len=48, response_len=24,
              gen_batch=4, steps=40, anchors=16, lr=3e-3, eval_every=20, checkpoint_every=20)
@@ -81,8 +97,6 @@ SMOKE = dict(layers=1, block_size=4, taps=2, prompts=8, eval_prompts=2, max_prom
 # ------------------------------------------------------------------------------------ data
 
 
-def _norm(text: str) -> str:
-    return " ".join(text.split()).lower()
 
 
 def sharegpt_pairs(n: int, exclude: set[str]):
@@ -198,54 +212,81 @@ def fast_dtype():
         return None
 
 
+def response_loss(n: int, prompt_len: int) -> torch.Tensor:
+    """The loss mask of a prompt + response sequence of n tokens: position j is scored when its label
+    (the target's prediction of token j+1) continues the response, the last position's included."""
+    return torch.arange(n) >= prompt_len - 1
+
+
 @torch.no_grad()
 def sequence_features(model, seqs, layer_ids, want_hidden: bool, regenerated: bool, dtype=None,
                       progress: bool = False, desc: str = "features"):
-    """The target's view of every sequence, computed once: [(taps [N, L*H] or None, hidden [N, H] or None,
-    labels [N])]. With `dtype` (bf16) a copy of the target in that dtype computes them (about 2x faster
-    here, and half the memory): training features are then slightly perturbed, which is harmless; labels of
-    a regenerated response are its own next tokens (the target's greedy choices, exact whatever the dtype)
-    and elsewhere the forward's argmax."""
+    """The target's view of every (ids, prompt_len) sequence, computed once, as training records
+    (specc.features' fields): ids, labels, loss (the response's positions), taps, hidden. With `dtype`
+    (bf16) a copy of the target in that dtype computes them (about 2x faster here, and half the
+    memory): features are then slightly perturbed, which is harmless; labels of a regenerated response
+    are its own next tokens (the target's greedy choices, exact whatever the dtype) and elsewhere the
+    forward's argmax."""
     import copy
 
     if dtype is not None and dtype != model.dtype:
         model = copy.deepcopy(model).to(dtype)
     out = []
+    keep = dtype or torch.float32
     for ids, plen in tqdm(seqs, desc=desc, unit="seq", disable=not progress):
         taps, hidden, labels = target_view(model, ids, layer_ids)
         if regenerated:
             labels = labels.clone()
             labels[plen - 1: len(ids) - 1] = ids[plen:]
-        keep = dtype or torch.float32
-        out.append((taps.to(keep) if taps is not None else None,
-                    hidden.to(keep) if want_hidden else None, labels))
+        rec = {"ids": ids, "labels": labels, "loss": response_loss(len(ids), plen)}
+        if taps is not None:
+            rec["taps"] = taps.to(keep)
+        if want_hidden:
+            rec["hidden"] = hidden.to(keep)
+        out.append(rec)
     return out
 
 
-def save_features(feats, path: Path, meta: dict) -> None:
+def save_features(recs, path: Path, meta: dict) -> None:
     from safetensors.torch import save_file
 
-    t = {"lengths": torch.tensor([len(f[2]) for f in feats]), "labels": torch.cat([f[2] for f in feats])}
-    for i, name in ((0, "taps"), (1, "hidden")):
-        if feats[0][i] is not None:
-            t[name] = torch.cat([f[i] for f in feats])
+    t = {k: torch.cat([r[k] for r in recs]) for k in recs[0]}
+    t["lengths"] = torch.tensor([len(r["ids"]) for r in recs])
     _atomic(path, lambda tmp: save_file(t, str(tmp), metadata={"meta": json.dumps(meta, sort_keys=True)}))
 
 
 def load_features(path: Path, meta: dict):
-    """The cached features, or None when absent or made for other settings."""
+    """The cached records, or None when absent or made for other settings."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     if not path.is_file():
         return None
     with safe_open(str(path), "pt") as f:
-        if (f.metadata() or {}).get("meta") != json.dumps(meta, sort_keys=True):
+        if (f.metadata() or {}).get("meta") != json.dumps(meta, sort_keys=True) or "loss" not in f.keys():
             return None
     t = load_file(str(path))
-    lens = t["lengths"].tolist()
-    split = {k: t[k].split(lens) if k in t else [None] * len(lens) for k in ("taps", "hidden", "labels")}
-    return list(zip(split["taps"], split["hidden"], split["labels"]))
+    lens = t.pop("lengths").tolist()
+    parts = {k: v.split(lens) for k, v in t.items()}
+    return [{k: parts[k][i] for k in parts} for i in range(len(lens))]
+
+
+def target_loss(logits, rec: dict, rows: torch.Tensor, soft: float) -> torch.Tensor:
+    """Per-row loss [R] of drafter logits [R, V] whose labels are the record's positions `rows`:
+    cross-entropy to the target's argmax, mixed with weight `soft` with the cross-entropy to the
+    target's top-k distribution (renormalised; KL up to a constant) where the record has it."""
+    logp = logits.float().log_softmax(-1)
+    ce = -logp.gather(-1, rec["labels"][rows].long().unsqueeze(-1)).squeeze(-1)
+    if not soft or "topk_ids" not in rec:
+        return ce
+    p = rec["topk_logp"][rows].float().softmax(-1)
+    kl = -(p * logp.gather(-1, rec["topk_ids"][rows].long())).sum(-1)
+    return (1 - soft) * ce + soft * kl
+
+
+def _first_scored(rec: dict) -> int:
+    nz = rec["loss"].nonzero()
+    return int(nz[0]) if len(nz) else len(rec["ids"])
 
 
 class DFlashTrainer:
@@ -256,9 +297,9 @@ class DFlashTrainer:
     a few training sequences (a fixed vector), and the saved fc.weight has that scale folded back in:
     the checkpoint is the published format and computes exactly the trained function.
 
-    `feat` arguments are one sequence's (taps, hidden, labels) from `sequence_features`."""
+    `rec` arguments are one sequence's record (sequence_features / specc.features)."""
 
-    def __init__(self, model, cfg: TrainConfig, mask_token_id: int, feats=()):
+    def __init__(self, model, cfg: TrainConfig, mask_token_id: int, recs=()):
         from .dflash import DFlashDrafter, dflash_config_for, position_weights
 
         self.model, self.cfg = model, cfg
@@ -271,50 +312,61 @@ class DFlashTrainer:
         self.head = model.get_output_embeddings().weight
         self.weights = position_weights(cfg.block_size)
         self.scale = torch.ones(self.drafter.fc.in_features)
-        if feats:
-            sq = torch.cat([f[0].float() for f in feats[:8]]).pow(2).mean(0)
+        if recs:
+            sq = torch.cat([r["taps"].float() for r in recs[:8]]).pow(2).mean(0)
             self.scale = 1.0 / sq.sqrt().clamp(min=1e-3)
 
     @property
     def layer_ids(self):
         return self.drafter.config.target_layer_ids
 
-    def _logits(self, ids, feat, anchors, block=None, lengths=None):
+    def _logits(self, rec, anchors, block=None, lengths=None):
+        """(logits [nb, B-1, V], label positions [nb, B-1], valid [nb, B-1]). Block row k of anchor a
+        predicts token a+k, whose label is the target's argmax at a+k-1; it counts where that position
+        is scored and, for k >= 2, where the text from a+1 on followed the target's greedy path (the
+        only context a chain of drafts reaches)."""
         from .dflash import draft_logits
 
-        taps, _, labels = feat
-        logits = draft_logits(self.drafter, self.embed, self.head, taps.float() * self.scale, ids, anchors,
+        ids = rec["ids"].long()
+        logits = draft_logits(self.drafter, self.embed, self.head, rec["taps"].float() * self.scale, ids, anchors,
                               block, lengths)
         B, N = block or self.cfg.block_size, len(ids)
-        pos = anchors.view(-1, 1) + torch.arange(1, B)  # the position each row predicts
-        valid = pos <= N  # labels[p - 1] exists for p <= N
-        return logits, labels[(pos - 1).clamp(max=N - 1)], valid
+        pos = anchors.view(-1, 1) + torch.arange(B - 1)  # the label position of each row
+        inside = pos < N
+        pos = torch.where(inside, pos, N - 1)
+        on_path = torch.ones_like(inside)
+        if B > 2:  # tokens a+1 .. a+k-1 equal the labels at a .. a+k-2
+            follows = torch.cat([ids[1:] == rec["labels"][:-1].long(), torch.zeros(1, dtype=torch.bool)])
+            on_path[:, 1:] = follows[pos[:, :-1]].cumprod(dim=1).bool()
+        valid = inside & rec["loss"][pos] & on_path
+        return logits, pos, valid
 
-    def loss(self, ids, prompt_len, feat, gen):
-        N = len(ids)
-        lo = max(prompt_len - 1, 0)
-        cand = torch.arange(lo, N)
+    def loss(self, rec, gen):
+        lo, N = _first_scored(rec), len(rec["ids"])
+        cand = lo + rec["loss"][lo:].nonzero().view(-1) if lo < N else torch.zeros(0, dtype=torch.long)
+        if len(cand) == 0:
+            return None
         anchors = cand[torch.randperm(len(cand), generator=gen)[: self.cfg.anchors]].sort().values
         # Each block is as long as one of the run-time block sizes, so one drafter serves them all.
         sizes = torch.tensor(run_blocks(self.cfg.block_size))
         lengths = sizes[torch.randint(len(sizes), (len(anchors),), generator=gen)]
-        logits, labels, valid = self._logits(ids, feat, anchors, lengths=lengths)
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none")
+        logits, pos, valid = self._logits(rec, anchors, lengths=lengths)
         w = self.weights.view(1, -1) * valid * (torch.arange(1, self.cfg.block_size) < lengths.view(-1, 1))
-        return (ce.view_as(w) * w).sum() / w.sum().clamp(min=1e-6)
+        per_row = target_loss(logits.reshape(-1, logits.shape[-1]), rec, pos.reshape(-1), self.cfg.soft)
+        return (per_row.view_as(w) * w).sum() / w.sum().clamp(min=1e-6)
 
     @torch.no_grad()
-    def accepted(self, ids, prompt_len, feat, block=None):
-        """Per anchor with a full block (of `block` rows, default the trained size) inside the sequence:
-        drafts matching the target, as a chain."""
-        B, N = block or self.cfg.block_size, len(ids)
-        lo, hi = max(prompt_len - 1, 0), N - B + 1
+    def accepted(self, rec, block=None):
+        """Per anchor with a full block (of `block` rows, default the trained size) inside the scored
+        part of the sequence: drafts matching the target, as a chain."""
+        B, N = block or self.cfg.block_size, len(rec["ids"])
+        lo, hi = _first_scored(rec), N - B + 1
         if hi <= lo:
             return torch.zeros(0, B - 1, dtype=torch.bool)
         anchors = torch.arange(lo, hi)
         anchors = anchors[torch.linspace(0, len(anchors) - 1, min(64, len(anchors))).long()]
-        logits, labels, _ = self._logits(ids, feat, anchors, block)
-        return logits.argmax(-1) == labels
+        logits, pos, _ = self._logits(rec, anchors, block)
+        return logits.argmax(-1) == rec["labels"][pos].long()
 
     def save(self, path: Path) -> None:
         import copy
@@ -343,7 +395,7 @@ class DFlashTrainer:
 class MTPTrainer:
     layer_ids = ()
 
-    def __init__(self, model, cfg: TrainConfig, mask_token_id: int, feats=()):
+    def __init__(self, model, cfg: TrainConfig, mask_token_id: int, recs=()):
         from .mtp import build_heads, target_parts
 
         self.model, self.cfg = model, cfg
@@ -351,24 +403,28 @@ class MTPTrainer:
         self.heads = build_heads(model, num_modules=cfg.layers, depth=self.depth)
         self.parts = target_parts(model)
 
-    def _logits(self, ids, feat):
-        _, hidden, labels = feat
-        return self.heads.forward_train(hidden.float()[None], ids[None], **self.parts), labels
+    def _logits(self, rec):
+        """Per depth d = 1..D: logits [1, N-d, V] whose row i is labelled at position i+d (the
+        target's argmax there: its prediction of token i+d+1)."""
+        return self.heads.forward_train(rec["hidden"].float()[None], rec["ids"].long()[None], **self.parts)
 
-    def loss(self, ids, prompt_len, feat, gen):
-        from .mtp import mtp_loss
-
-        logits, labels = self._logits(ids, feat)
-        return mtp_loss(logits, target_ids=labels[None])[0]
+    def loss(self, rec, gen):
+        total, D = 0.0, self.depth
+        for d, logits in enumerate(self._logits(rec), start=1):
+            rows = torch.arange(logits.shape[1]) + d
+            valid = rec["loss"][rows].float()
+            per_row = target_loss(logits[0], rec, rows, self.cfg.soft)
+            total = total + (per_row * valid).sum() / valid.sum().clamp(min=1.0) / D
+        return total
 
     @torch.no_grad()
-    def accepted(self, ids, prompt_len, feat, block=None):
-        N, D = len(ids), self.depth
-        lo, hi = max(prompt_len - 1, 0), N - D  # rows whose every depth has a label
+    def accepted(self, rec, block=None):
+        N, D = len(rec["ids"]), self.depth
+        lo, hi = _first_scored(rec), N - D  # rows whose every depth has a label
         if hi <= lo:
             return torch.zeros(0, D, dtype=torch.bool)
-        logits, labels = self._logits(ids, feat)
-        rows = torch.arange(lo, hi)
+        logits = self._logits(rec)
+        rows, labels = torch.arange(lo, hi), rec["labels"].long()
         return torch.stack([logits[d - 1][0, rows].argmax(-1) == labels[rows + d] for d in range(1, D + 1)], dim=1)
 
     def save(self, path: Path) -> None:
@@ -437,10 +493,10 @@ def run_blocks(block_size: int) -> list[int]:
     return sorted({b for b in (4, 8, 16, 32, 64) if b < block_size} | {block_size})
 
 
-def evaluate(trainer, seqs, feats) -> dict:
+def evaluate(trainer, recs) -> dict:
     """Held-out greedy acceptance. `tau`: a chain of every draft of the trained block (DFlash) or depth
     (MTP); `tau_chain{k}`: its first k drafts; `tau_block{b}` (DFlash): blocks run at size b."""
-    acc = torch.cat([trainer.accepted(ids, p, f) for (ids, p), f in zip(seqs, feats)])
+    acc = torch.cat([trainer.accepted(r) for r in recs])
     D = acc.shape[1]
     out = {"tau": round(tau_of(acc), 4), "anchors": int(acc.shape[0]),
            "per_position": [round(float(x), 4) for x in acc.float().mean(0)]}
@@ -449,7 +505,7 @@ def evaluate(trainer, seqs, feats) -> dict:
             out[f"tau_chain{k}"] = round(tau_of(acc, k), 4)
     if isinstance(trainer, DFlashTrainer):
         for b in run_blocks(trainer.cfg.block_size)[:-1]:
-            short = torch.cat([trainer.accepted(ids, p, f, b) for (ids, p), f in zip(seqs, feats)])
+            short = torch.cat([trainer.accepted(r, b) for r in recs])
             out[f"tau_block{b}"] = round(tau_of(short), 4)
     return out
 
@@ -509,9 +565,9 @@ def _check_run_dir(out: Path, cfg: TrainConfig) -> dict | None:
     return resumed
 
 
-def _load_target(model, work: Path, smoke: bool):
-    """(target, tokenizer, EOS ids): the target frozen for inference; with `smoke` a tiny random Llama over
-    MODEL's tokenizer, saved in work/smoke-target. Creates `work`."""
+def load_target(model, work: Path, smoke: bool):
+    """(target, tokenizer, EOS ids, name): the target frozen for inference; with `smoke` a tiny random Llama
+    over MODEL's tokenizer, saved in work/smoke-target. Creates `work`."""
     from .models import load_model
 
     loaded = load_model(model, torch.float32)
@@ -527,7 +583,7 @@ def _load_target(model, work: Path, smoke: bool):
     if gen_cfg is not None and gen_cfg.eos_token_id is not None:
         e = gen_cfg.eos_token_id
         eos |= set(e) if isinstance(e, (list, tuple)) else {int(e)}
-    return target, tokenizer, eos
+    return target, tokenizer, eos, f"smoke:{loaded.name}" if smoke else loaded.name
 
 
 def _run_sequences(target, tokenizer, eos: set[int], cfg: TrainConfig, out: Path, progress: bool):
@@ -545,7 +601,7 @@ def _run_sequences(target, tokenizer, eos: set[int], cfg: TrainConfig, out: Path
     pairs = sharegpt_pairs(cfg.prompts + cfg.eval_prompts, eval_set_prompts())
     held = build_sequences(target, tokenizer, pairs[: cfg.eval_prompts], cfg, eos, progress, "held-out sequences")
     seqs = build_sequences(target, tokenizer, pairs[cfg.eval_prompts:], cfg, eos, progress, "training sequences")
-    if not seqs or not held:
+    if (cfg.prompts and not seqs) or not held:
         raise SpeccError("no usable training sequences (prompts too long for --max-prompt-len?).")
     save_sequences(held, eval_file)
     save_sequences(seqs, data_file)
@@ -554,21 +610,65 @@ def _run_sequences(target, tokenizer, eos: set[int], cfg: TrainConfig, out: Path
 
 
 def _run_features(target, seqs, held, cfg: TrainConfig, work: Path, fast, progress: bool):
-    """(training, held-out) features: the target's view of every sequence, once, so training steps run the
+    """(training, held-out) records: the target's view of every sequence, once, so training steps run the
     drafter alone. Training features are computed and kept in `fast` (bf16 where the CPU has it) and cached;
     held-out ones in fp32, so the held-out tau is exact."""
-    from .dflash import default_layer_ids
-
-    layer_ids = default_layer_ids(target.config.num_hidden_layers, cfg.taps) if cfg.drafter == "dflash" else []
+    layer_ids = _layer_ids(target, cfg)
     want_hidden = cfg.drafter == "mtp"
     fmeta = {**{k: asdict(cfg)[k] for k in DATA_FIELDS}, "drafter": cfg.drafter, "layer_ids": layer_ids,
              "dtype": str(fast)}
-    feats = load_features(work / "features.safetensors", fmeta)
-    if feats is None:
-        feats = sequence_features(target, seqs, layer_ids, want_hidden, cfg.labels == "regenerate", fast, progress,
-                                  "target features")
-        save_features(feats, work / "features.safetensors", fmeta)
-    return feats, sequence_features(target, held, layer_ids, want_hidden, False)
+    recs = load_features(work / "features.safetensors", fmeta) if seqs else []
+    if recs is None:
+        recs = sequence_features(target, seqs, layer_ids, want_hidden, cfg.labels == "regenerate", fast, progress,
+                                 "target features")
+        save_features(recs, work / "features.safetensors", fmeta)
+    return recs, sequence_features(target, held, layer_ids, want_hidden, False)
+
+
+def _layer_ids(target, cfg: TrainConfig) -> list[int]:
+    from .dflash import default_layer_ids
+
+    return default_layer_ids(target.config.num_hidden_layers, cfg.taps) if cfg.drafter == "dflash" else []
+
+
+def _feature_store(target, tokenizer, cfg: TrainConfig, name: str, progress: bool, log):
+    """The teacher-forced features of cfg.features (extracted up to cfg.feature_tokens first), or None."""
+    if not cfg.features:
+        return None
+    from .dflash import default_layer_ids
+    from .features import Features, FeatureSpec, extract
+
+    # Taps and hidden both: one extraction serves MTP, DFlash and DSpark runs alike.
+    spec = FeatureSpec(taps=tuple(default_layer_ids(target.config.num_hidden_layers, cfg.taps)), hidden=True,
+                       max_len=cfg.feature_max_len, sources=tuple(cfg.feature_sources.split(",")), model=name,
+                       shard_tokens=cfg.feature_shard_tokens)
+    if cfg.feature_tokens:
+        held = {_norm(p) for p, _ in sharegpt_pairs(HELD_OUT_RESERVE, eval_set_prompts())}
+        extract(target, tokenizer, spec, cfg.features, cfg.feature_tokens, eval_set_prompts() | held, progress, log)
+    store = Features.open(cfg.features)
+    if store.spec != spec:
+        raise SpeccError(f"the features in {cfg.features!r} were extracted with other settings than this run's "
+                         f"(taps, sources, length or target); use another --features folder.")
+    return store
+
+
+class Draws:
+    """The record a training step uses: from the regenerated sequences or the feature store, in
+    proportion to their numbers of sequences; a function of the step, so a resumed run draws the same."""
+
+    def __init__(self, recs: list, store, seed: int):
+        self.recs, self.store, self.seed = recs, store, seed
+        self.n_store = store.sequences if store is not None else 0
+
+    def __len__(self) -> int:
+        return len(self.recs) + self.n_store
+
+    def first(self, n: int) -> list:
+        return (self.recs + (self.store.shard(0) if self.store is not None else []))[:n]
+
+    def __call__(self, step: int, gen) -> dict:
+        i = int(torch.randint(len(self), (1,), generator=gen))
+        return self.recs[i] if i < len(self.recs) else self.store.record(step, self.seed)
 
 
 def _checkpoint(out: Path, trainer, opt, progress_doc: dict, step: int) -> None:
@@ -581,32 +681,34 @@ def _checkpoint(out: Path, trainer, opt, progress_doc: dict, step: int) -> None:
     plot_curve(progress_doc["history"], work / "curve.png")
 
 
-def _train_steps(trainer, opt, cfg: TrainConfig, seqs, feats, held, held_feats, history: list, start: int,
-                 checkpoint, fast, progress: bool) -> float:
+def _train_steps(trainer, opt, cfg: TrainConfig, draw, held, history: list, start: int, checkpoint, fast,
+                 progress: bool) -> float:
     """Steps start..cfg.steps, appending to `history` (an evaluation every eval_every steps) and calling
     checkpoint(step) every checkpoint_every steps and at the end; returns the seconds they took."""
     if start == 0:
-        history.append({"step": 0, "eval": evaluate(trainer, held, held_feats)})
+        history.append({"step": 0, "eval": evaluate(trainer, held)})
         checkpoint(0)
     bar = tqdm(range(start, cfg.steps), desc=f"train {cfg.drafter}", unit="step", disable=not progress,
                initial=start, total=cfg.steps)
     t0, running = time.perf_counter(), None
     for step in bar:
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # a resumed run draws the same data
-        i = int(torch.randint(len(seqs), (1,), generator=gen))
+        rec = draw(step, gen)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         with torch.autocast("cpu", dtype=fast, enabled=fast is not None):  # fp32 master weights
-            loss = trainer.loss(*seqs[i], feats[i], gen)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(trainer.parameters()), cfg.clip)
-        opt.step()
-        running = float(loss) if running is None else 0.95 * running + 0.05 * float(loss)
+            loss = trainer.loss(rec, gen)
         done = step + 1
-        entry = {"step": done, "loss": round(float(loss), 4)}
+        entry = {"step": done}
+        if loss is not None:  # None: a record with nothing to score
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(list(trainer.parameters()), cfg.clip)
+            opt.step()
+            running = float(loss) if running is None else 0.95 * running + 0.05 * float(loss)
+            entry["loss"] = round(float(loss), 4)
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            entry["eval"] = evaluate(trainer, held, held_feats)
+            entry["eval"] = evaluate(trainer, held)
             bar.set_postfix(loss=f"{running:.3f}", tau=entry["eval"]["tau"])
         else:
             bar.set_postfix(loss=f"{running:.3f}")
@@ -641,14 +743,15 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
     resumed = _check_run_dir(out, cfg)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(os.cpu_count() or 1)
-    target, tokenizer, eos = _load_target(model, work, smoke)
+    target, tokenizer, eos, name = load_target(model, work, smoke)
     seqs, held = _run_sequences(target, tokenizer, eos, cfg, out, progress)
     fast = fast_dtype()
-    feats, held_feats = _run_features(target, seqs, held, cfg, work, fast, progress)
+    recs, held_recs = _run_features(target, seqs, held, cfg, work, fast, progress)
+    draw = Draws(recs, _feature_store(target, tokenizer, cfg, name, progress, log), cfg.seed)
 
     # Drafter and optimizer, from the last checkpoint when resuming.
     mask = choose_mask_token(tokenizer, target.config.vocab_size)
-    trainer = (DFlashTrainer if cfg.drafter == "dflash" else MTPTrainer)(target, cfg, mask, feats)
+    trainer = (DFlashTrainer if cfg.drafter == "dflash" else MTPTrainer)(target, cfg, mask, draw.first(8))
     opt = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, weight_decay=0.0)
     history, step = [], 0
     if resumed is not None and (work / "state.safetensors").is_file():
@@ -658,14 +761,13 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
         log(f"resuming at step {step} of {cfg.steps}")
     compute_dtype = str(fast or torch.float32)
     # progress.json's keys in their historical order; _checkpoint fills in "step".
-    progress_doc = {"config": asdict(cfg), "step": step, "sequences": len(seqs), "held_out": len(held),
+    progress_doc = {"config": asdict(cfg), "step": step, "sequences": len(draw), "held_out": len(held),
                     "mask_token_id": mask, "compute_dtype": compute_dtype, "history": history}
 
     checkpoint = functools.partial(_checkpoint, out, trainer, opt, progress_doc)
-    train_s = _train_steps(trainer, opt, cfg, seqs, feats, held, held_feats, history, step, checkpoint, fast,
-                           progress)
+    train_s = _train_steps(trainer, opt, cfg, draw, held_recs, history, step, checkpoint, fast, progress)
     final = next((h["eval"] for h in reversed(history) if "eval" in h), None)
-    res = {"output": str(out), "drafter": cfg.drafter, "steps": cfg.steps, "sequences": len(seqs),
+    res = {"output": str(out), "drafter": cfg.drafter, "steps": cfg.steps, "sequences": len(draw),
            "held_out": len(held), "train_s": round(train_s, 1), "eval": final,
            "smoke_target": str(work / "smoke-target") if smoke else None}
     _write_training_json(out, res, cfg, command, compute_dtype)

@@ -124,8 +124,8 @@ def test_accepted_on_sequences_too_short_for_a_block():
         tr = cls(model, TrainConfig(drafter="dflash" if cls is DFlashTrainer else "mtp", block_size=4, taps=2), 3)
         for n, rows in ((6, 0), (20, 13)):  # 1 response token (block of 4), then 15
             ids = torch.arange(n)
-            (feat,) = sequence_features(model, [(ids, 5)], tr.layer_ids, True, True)
-            acc = tr.accepted(ids, 5, feat)
+            (rec,) = sequence_features(model, [(ids, 5)], tr.layer_ids, True, True)
+            acc = tr.accepted(rec)
             assert acc.shape[1] == 3 and (acc.shape[0] == 0) == (rows == 0)
 
 
@@ -143,7 +143,7 @@ def test_saved_drafter_folds_the_input_scale(tmp_path):
     tr = DFlashTrainer(model, TrainConfig(block_size=4, taps=2), 3, feats)
     assert not torch.allclose(tr.scale, torch.ones_like(tr.scale))
     ids, anchors = seqs[0][0], torch.tensor([10, 15, 20])
-    trained = tr._logits(ids, feats[0], anchors)[0]
+    trained = tr._logits(feats[0], anchors)[0]
     tr.save(tmp_path / "d")
     loaded = load_dflash(tmp_path / "d")
     taps = target_view(model, ids, loaded.config.target_layer_ids)[0]
@@ -184,16 +184,18 @@ def test_sequence_features_labels_and_cache(tmp_path):
     model = tiny_model("llama", vocab=64, layers=4, seed=2)
     seqs = [(torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)), 5) for n in (12, 20)]
     feats = sequence_features(model, seqs, [1, 2], True, regenerated=True)
-    for (ids, plen), (taps, hidden, labels) in zip(seqs, feats):
+    for (ids, plen), rec in zip(seqs, feats):
         ref_taps, ref_hidden, argmax = target_view(model, ids, [1, 2])
+        labels = rec["labels"]
         assert torch.equal(labels[plen - 1: -1], ids[plen:])
         assert torch.equal(labels[: plen - 1], argmax[: plen - 1]) and labels[-1] == argmax[-1]
-        torch.testing.assert_close(taps, ref_taps)
-        torch.testing.assert_close(hidden, ref_hidden)
+        assert rec["loss"].tolist() == [j >= plen - 1 for j in range(len(ids))]  # the response's labels
+        torch.testing.assert_close(rec["taps"], ref_taps)
+        torch.testing.assert_close(rec["hidden"], ref_hidden)
     meta = {"layer_ids": [1, 2], "dtype": "None"}
     save_features(feats, tmp_path / "f.safetensors", meta)
     back = load_features(tmp_path / "f.safetensors", meta)
-    assert all(torch.equal(a, b) for fa, fb in zip(feats, back) for a, b in zip(fa, fb))
+    assert all(fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa) for fa, fb in zip(feats, back))
     assert load_features(tmp_path / "f.safetensors", {**meta, "layer_ids": [0, 1]}) is None
     assert load_features(tmp_path / "missing.safetensors", meta) is None
 
@@ -221,3 +223,23 @@ def test_ship_copies_a_run_into_the_assets(tmp_path, monkeypatch):
     assert shipped.training_summary(dest)["shipped_dtype"] == "bfloat16"
     with pytest.raises(SystemExit, match="not mtp"):
         shipped.ship(run, "mtp")
+
+
+def test_mtp_trains_on_features(tmp_path):
+    """--features: the run extracts teacher-forced features (a tiny target over SmolLM2's tokenizer),
+    trains from them alone (--prompts 0) with soft targets; a rerun with other settings is refused."""
+    from specc.features import Features
+    from specc.train import train
+
+    feat = tmp_path / "feat"
+    cfg = dict(_smoke(), drafter="mtp", steps=6, prompts=0, features=str(feat), feature_tokens=200,
+               feature_max_len=48, feature_shard_tokens=64, soft=0.5, eval_every=3, checkpoint_every=3)
+    res = train(None, tmp_path / "run", TrainConfig(**cfg), smoke=True, progress=False, log=lambda m: None)
+    store = Features.open(feat)
+    assert store.tokens >= 200 and len(store.index["shards"]) >= 3
+    assert res["sequences"] == store.sequences and res["eval"]["tau"] >= 1.0
+    history = json.loads((tmp_path / "run" / "train" / "progress.json").read_text())["history"]
+    assert sum("loss" in h for h in history) == 6
+    with pytest.raises(Exception, match="another configuration"):
+        train(None, tmp_path / "run", TrainConfig(**{**cfg, "soft": 0.2}), smoke=True, progress=False,
+              log=lambda m: None)

