@@ -58,6 +58,8 @@ class FeatureSpec:
                              f"{','.join(SOURCES)}.")
         if self.max_len < 16:
             raise SpeccError("feature sequences need at least 16 tokens (--feature-max-len).")
+        if len(self.sources) > 1 and not 0 < self.code_share < 1:
+            raise SpeccError("code_share must be between 0 and 1 when both sources are used.")
 
 
 # ------------------------------------------------------------------------------------------ corpus
@@ -76,7 +78,9 @@ def _chat_ids(tokenizer, messages, generation_prompt: bool) -> list[int]:
 def conversation_sequence(tokenizer, turns: list[tuple[str, str]], max_len: int):
     """(ids, loss) of a chat-formatted conversation of (role, text) turns: loss[j] is True where token
     j+1 belongs to an assistant reply (its text and its end-of-turn token), so every assistant turn is
-    scored with its whole history before it. None when the template does not extend turn by turn."""
+    scored with its whole history before it. A template that renders earlier turns differently once
+    later ones follow (e.g. dropping reasoning) ends the sequence before the turn where it does; None
+    when nothing is left to score."""
     ids: list[int] = []
     scored: set[int] = set()  # positions of assistant tokens
     messages = []
@@ -87,7 +91,7 @@ def conversation_sequence(tokenizer, turns: list[tuple[str, str]], max_len: int)
             messages.append({"role": role, "content": text})
             full = _chat_ids(tokenizer, messages, False)
             if full[:len(prefix)] != prefix or (ids and prefix[:len(ids)] != ids):
-                return None
+                break
             # the reply: from the prefix's end through the end-of-turn token (not the newline after it)
             end = len(full)
             if eos in full[len(prefix):]:
@@ -128,7 +132,8 @@ def sharegpt_sequences(tokenizer, max_len: int, exclude: set[str], start: int = 
 def code_files() -> list[Path]:
     """The Python standard library's .py files (not site-packages, not the test packages)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3"}
+    # test packages, and generated tables (codec maps, pydoc's topic dump): much data, little code
+    skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "encodings", "pydoc_data"}
     return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts[:-1]))
 
 
@@ -204,7 +209,14 @@ def _write_shard(folder: Path, n: int, recs: list[dict], sources: list[str]) -> 
     name = f"shard-{n:05d}.safetensors"
     _atomic(folder / name, lambda tmp: save_file(t, str(tmp)))
     return {"file": name, "sequences": len(recs), "tokens": int(t["lengths"].sum()),
-            "scored": int(t["loss"].sum()), "sources": {s: sources.count(s) for s in sorted(set(sources))}}
+            "scored": int(t["loss"].sum()), "sources": {s: sources.count(s) for s in sorted(set(sources))},
+            "last": _digest(recs[-1]["ids"].tolist())}
+
+
+def _digest(ids: list[int]) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
 
 
 def extract(model, tokenizer, spec: FeatureSpec, folder, tokens: int, exclude: set[str] = frozenset(),
@@ -228,8 +240,13 @@ def extract(model, tokenizer, spec: FeatureSpec, folder, tokens: int, exclude: s
     if have:
         log(f"features: resuming at {have} of {tokens} tokens ({len(index['shards'])} shards)")
     items = corpus(tokenizer, spec, exclude)
+    last = None
     for _ in range(index["sequences_seen"]):  # the same deterministic corpus: skip what the shards hold
-        next(items, None)
+        last = next(items, None)
+    if index["shards"] and (last is None or _digest(last[1]) != index["shards"][-1]["last"]):
+        # another Python (stdlib), tokenizer or dataset version: the corpus no longer replays the same
+        raise SpeccError(f"the corpus differs from the one {str(folder)!r} was extracted from (another Python, "
+                         f"tokenizer or dataset version?); extract into a new folder.")
     bar = tqdm(total=tokens, initial=have, desc="target features", unit="tok", unit_scale=True, disable=not progress)
     recs, srcs, pending = [], [], 0
     for source, ids, loss in items:
@@ -268,7 +285,9 @@ class Features:
     _cached: tuple = field(default=(None, None), repr=False)
 
     @classmethod
-    def open(cls, folder) -> "Features":
+    def open(cls, folder, shards: int | None = None) -> "Features":
+        """The folder's features; `shards`: its first that many only (a resumed run reads what it started
+        with, though another run may have extracted more into the folder since)."""
         folder = Path(folder)
         f = folder / "index.json"
         if not f.is_file():
@@ -276,6 +295,11 @@ class Features:
         index = json.loads(f.read_text())
         if not index["shards"]:
             raise SpeccError(f"{str(folder)!r} holds no feature shards yet.")
+        if shards is not None:
+            if shards > len(index["shards"]):
+                raise SpeccError(f"{str(folder)!r} holds {len(index['shards'])} feature shards, fewer than the "
+                                 f"{shards} this run was trained on.")
+            index = {**index, "shards": index["shards"][:shards]}
         return cls(folder, index)
 
     @property

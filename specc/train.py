@@ -631,8 +631,9 @@ def _layer_ids(target, cfg: TrainConfig) -> list[int]:
     return default_layer_ids(target.config.num_hidden_layers, cfg.taps) if cfg.drafter == "dflash" else []
 
 
-def _feature_store(target, tokenizer, cfg: TrainConfig, name: str, progress: bool, log):
-    """The teacher-forced features of cfg.features (extracted up to cfg.feature_tokens first), or None."""
+def _feature_store(target, tokenizer, cfg: TrainConfig, name: str, progress: bool, log, shards: int | None = None):
+    """The teacher-forced features of cfg.features (extracted up to cfg.feature_tokens first), or None;
+    `shards`: a resumed run's count (it reads those, whatever was extracted since)."""
     if not cfg.features:
         return None
     from .dflash import default_layer_ids
@@ -642,10 +643,10 @@ def _feature_store(target, tokenizer, cfg: TrainConfig, name: str, progress: boo
     spec = FeatureSpec(taps=tuple(default_layer_ids(target.config.num_hidden_layers, cfg.taps)), hidden=True,
                        max_len=cfg.feature_max_len, sources=tuple(cfg.feature_sources.split(",")), model=name,
                        shard_tokens=cfg.feature_shard_tokens)
-    if cfg.feature_tokens:
+    if cfg.feature_tokens and shards is None:
         held = {_norm(p) for p, _ in sharegpt_pairs(HELD_OUT_RESERVE, eval_set_prompts())}
         extract(target, tokenizer, spec, cfg.features, cfg.feature_tokens, eval_set_prompts() | held, progress, log)
-    store = Features.open(cfg.features)
+    store = Features.open(cfg.features, shards)
     if store.spec != spec:
         raise SpeccError(f"the features in {cfg.features!r} were extracted with other settings than this run's "
                          f"(taps, sources, length or target); use another --features folder.")
@@ -709,9 +710,9 @@ def _train_steps(trainer, opt, cfg: TrainConfig, draw, held, history: list, star
             entry["loss"] = round(float(loss), 4)
         if done % cfg.eval_every == 0 or done == cfg.steps:
             entry["eval"] = evaluate(trainer, held)
-            bar.set_postfix(loss=f"{running:.3f}", tau=entry["eval"]["tau"])
+            bar.set_postfix(loss=f"{running or float('nan'):.3f}", tau=entry["eval"]["tau"])
         else:
-            bar.set_postfix(loss=f"{running:.3f}")
+            bar.set_postfix(loss=f"{running or float('nan'):.3f}")
         history.append(entry)
         if done % cfg.checkpoint_every == 0 or done == cfg.steps:
             checkpoint(done)
@@ -747,7 +748,9 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
     seqs, held = _run_sequences(target, tokenizer, eos, cfg, out, progress)
     fast = fast_dtype()
     recs, held_recs = _run_features(target, seqs, held, cfg, work, fast, progress)
-    draw = Draws(recs, _feature_store(target, tokenizer, cfg, name, progress, log), cfg.seed)
+    store = _feature_store(target, tokenizer, cfg, name, progress, log,
+                           resumed.get("feature_shards") if resumed is not None else None)
+    draw = Draws(recs, store, cfg.seed)
 
     # Drafter and optimizer, from the last checkpoint when resuming.
     mask = choose_mask_token(tokenizer, target.config.vocab_size)
@@ -762,7 +765,8 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
     compute_dtype = str(fast or torch.float32)
     # progress.json's keys in their historical order; _checkpoint fills in "step".
     progress_doc = {"config": asdict(cfg), "step": step, "sequences": len(draw), "held_out": len(held),
-                    "mask_token_id": mask, "compute_dtype": compute_dtype, "history": history}
+                    "mask_token_id": mask, "compute_dtype": compute_dtype, "history": history,
+                    "feature_shards": len(store.index["shards"]) if store is not None else None}
 
     checkpoint = functools.partial(_checkpoint, out, trainer, opt, progress_doc)
     train_s = _train_steps(trainer, opt, cfg, draw, held_recs, history, step, checkpoint, fast, progress)

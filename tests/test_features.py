@@ -5,6 +5,8 @@ top-k cross-entropy, and the training pipeline memorises a handful of sequences 
 offsets cannot)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -61,6 +63,13 @@ def test_extraction_resumes_to_what_one_run_makes(smol, tmp_path):
                                atol=0.01, rtol=0.01)
     with pytest.raises(SpeccError, match="other settings"):
         extract(model, tok, _spec(topk=2), tmp_path / "one", 500, progress=False)
+    # A corpus that no longer replays the same (another Python or tokenizer) cannot resume the folder.
+    index = json.loads((tmp_path / "two" / "index.json").read_text())
+    index["shards"][-1]["last"] = "0" * 16
+    (tmp_path / "two" / "index.json").write_text(json.dumps(index))
+    with pytest.raises(SpeccError, match="corpus differs"):
+        extract(model, tok, spec, tmp_path / "two", 800, progress=False, log=lambda m: None)
+    assert len(Features.open(tmp_path / "one", shards=2).index["shards"]) == 2
 
 
 def test_reading_order_covers_each_sequence_once_per_epoch(smol, tmp_path):
