@@ -271,7 +271,8 @@ def draft_logits(drafter: DFlashDrafter, embed: nn.Module, lm_head_weight, taps,
     """Teacher-forced training forward over one sequence. taps [N, L*H] are the target's features of
     tokens [N]; each anchor a starts a block [tokens[a], MASK, ...] of `block_size` rows (default: the
     trained size) at positions a..a+B-1; `lengths` [nb] optionally shortens blocks (see block_mask).
-    Returns logits [nb, B-1, V]: row k-1 of block j predicts the token at a_j + k."""
+    Returns logits [nb, B-1, V]: row k-1 of block j predicts the token at a_j + k (with
+    lm_head_weight None: the rows' hidden states [nb, B-1, H], for a head applied to some rows only)."""
     cfg = drafter.config
     B, nb = block_size or cfg.block_size, anchors.shape[0]
     block = torch.full((nb, B), cfg.mask_token_id, dtype=torch.long)
@@ -281,7 +282,7 @@ def draft_logits(drafter: DFlashDrafter, embed: nn.Module, lm_head_weight, taps,
     ctx = drafter.context(taps)
     h = drafter(x, positions, ctx, torch.arange(taps.shape[0]), block_mask(anchors, taps.shape[0], B, lengths))
     h = h.view(nb, B, -1)[:, 1:]
-    return F.linear(h, lm_head_weight)
+    return h if lm_head_weight is None else F.linear(h, lm_head_weight)
 
 
 def position_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:

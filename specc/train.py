@@ -320,16 +320,16 @@ class DFlashTrainer:
     def layer_ids(self):
         return self.drafter.config.target_layer_ids
 
-    def _logits(self, rec, anchors, block=None, lengths=None):
+    def _logits(self, rec, anchors, block=None, lengths=None, head=True):
         """(logits [nb, B-1, V], label positions [nb, B-1], valid [nb, B-1]). Block row k of anchor a
         predicts token a+k, whose label is the target's argmax at a+k-1; it counts where that position
         is scored and, for k >= 2, where the text from a+1 on followed the target's greedy path (the
-        only context a chain of drafts reaches)."""
+        only context a chain of drafts reaches). head=False: hidden states [nb, B-1, H] for logits."""
         from .dflash import draft_logits
 
         ids = rec["ids"].long()
-        logits = draft_logits(self.drafter, self.embed, self.head, rec["taps"].float() * self.scale, ids, anchors,
-                              block, lengths)
+        logits = draft_logits(self.drafter, self.embed, self.head if head else None, rec["taps"].float() * self.scale,
+                              ids, anchors, block, lengths)
         B, N = block or self.cfg.block_size, len(ids)
         pos = anchors.view(-1, 1) + torch.arange(B - 1)  # the label position of each row
         inside = pos < N
@@ -350,10 +350,14 @@ class DFlashTrainer:
         # Each block is as long as one of the run-time block sizes, so one drafter serves them all.
         sizes = torch.tensor(run_blocks(self.cfg.block_size))
         lengths = sizes[torch.randint(len(sizes), (len(anchors),), generator=gen)]
-        logits, pos, valid = self._logits(rec, anchors, lengths=lengths)
+        hidden, pos, valid = self._logits(rec, anchors, lengths=lengths, head=False)
         w = self.weights.view(1, -1) * valid * (torch.arange(1, self.cfg.block_size) < lengths.view(-1, 1))
-        per_row = target_loss(logits.reshape(-1, logits.shape[-1]), rec, pos.reshape(-1), self.cfg.soft)
-        return (per_row.view_as(w) * w).sum() / w.sum().clamp(min=1e-6)
+        rows = w.reshape(-1).nonzero().view(-1)  # the LM head (most of the compute) on counted rows only
+        if len(rows) == 0:
+            return None
+        logits = F.linear(hidden.reshape(-1, hidden.shape[-1])[rows], self.head)
+        per_row = target_loss(logits, rec, pos.reshape(-1)[rows], self.cfg.soft)
+        return (per_row * w.reshape(-1)[rows]).sum() / w.sum()
 
     @torch.no_grad()
     def accepted(self, rec, block=None):
@@ -403,19 +407,20 @@ class MTPTrainer:
         self.heads = build_heads(model, num_modules=cfg.layers, depth=self.depth)
         self.parts = target_parts(model)
 
-    def _logits(self, rec):
-        """Per depth d = 1..D: logits [1, N-d, V] whose row i is labelled at position i+d (the
-        target's argmax there: its prediction of token i+d+1)."""
-        return self.heads.forward_train(rec["hidden"].float()[None], rec["ids"].long()[None], **self.parts)
+    def _hidden(self, rec):
+        """Per depth d = 1..D: the LM head's inputs [N-d, H] (the final norm applied) whose row i is
+        labelled at position i+d (the target's argmax there: its prediction of token i+d+1). The head
+        itself is applied by the caller to the rows it scores: it is most of the compute."""
+        parts = {**self.parts, "lm_head": torch.nn.Identity()}
+        return [h[0] for h in self.heads.forward_train(rec["hidden"].float()[None], rec["ids"].long()[None], **parts)]
 
     def loss(self, rec, gen):
-        total, D = 0.0, self.depth
-        for d, logits in enumerate(self._logits(rec), start=1):
-            rows = torch.arange(logits.shape[1]) + d
-            valid = rec["loss"][rows].float()
-            per_row = target_loss(logits[0], rec, rows, self.cfg.soft)
-            total = total + (per_row * valid).sum() / valid.sum().clamp(min=1.0) / D
-        return total
+        total, D, head = 0.0, self.depth, self.parts["lm_head"].weight
+        for d, h in enumerate(self._hidden(rec), start=1):
+            rows = rec["loss"][d:d + len(h)].nonzero().view(-1)  # row i counts where position i+d is scored
+            if len(rows):
+                total = total + target_loss(F.linear(h[rows], head), rec, rows + d, self.cfg.soft).mean() / D
+        return total if torch.is_tensor(total) else None
 
     @torch.no_grad()
     def accepted(self, rec, block=None):
@@ -423,9 +428,10 @@ class MTPTrainer:
         lo, hi = _first_scored(rec), N - D  # rows whose every depth has a label
         if hi <= lo:
             return torch.zeros(0, D, dtype=torch.bool)
-        logits = self._logits(rec)
+        hidden, head = self._hidden(rec), self.parts["lm_head"].weight
         rows, labels = torch.arange(lo, hi), rec["labels"].long()
-        return torch.stack([logits[d - 1][0, rows].argmax(-1) == labels[rows + d] for d in range(1, D + 1)], dim=1)
+        return torch.stack([F.linear(hidden[d - 1][rows], head).argmax(-1) == labels[rows + d]
+                            for d in range(1, D + 1)], dim=1)
 
     def save(self, path: Path) -> None:
         from .mtp import save_deepseek_v3
