@@ -337,6 +337,10 @@ def add_train(sub) -> None:
     t.add_argument("--checkpoint-every", type=int, dest="checkpoint_every")
     t.add_argument("--soft", type=float, help="weight of the loss toward the target's top-k distribution, 0-1 "
                    "(features only; default 0: its argmax alone)")
+    t.add_argument("--regress", type=float, help="weight of an EAGLE-style regression of the drafter's LM-head "
+                   "input onto the target's (default 0)")
+    t.add_argument("--init", choices=["random", "target"], help="drafter layers: random (default) or copies of the "
+                   "target's last layers")
     t.add_argument("--features", help="teacher-forced target features: a folder shared between runs (extracted "
                    "there when --feature-tokens asks for more than it holds)")
     t.add_argument("--feature-tokens", type=int, dest="feature_tokens",

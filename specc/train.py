@@ -57,6 +57,8 @@ class TrainConfig:
     eval_every: int = 200
     checkpoint_every: int = 100
     soft: float = 0.0  # weight of the cross-entropy to the target's top-k distribution (features only)
+    regress: float = 0.0  # weight of a smooth-L1 regression of the drafter's head input onto the target's (EAGLE)
+    init: str = "random"  # drafter decoder layers: "random", or "target" (copies of its last layers)
     # Teacher-forced features (specc.features): a folder, shared between runs; extracted up to
     # feature_tokens positions when it holds fewer. Steps then draw from it and from the regenerated
     # sequences (--prompts, 0 for none) in proportion to their numbers of sequences.
@@ -79,6 +81,10 @@ class TrainConfig:
                      "eval_every", "checkpoint_every"):
             if getattr(self, name) < (0 if name == "prompts" and self.features else 1):
                 raise SpeccError(f"--{name.replace('_', '-')} must be at least 1.")
+        if self.init not in ("random", "target"):
+            raise SpeccError(f"--init {self.init!r} is unknown; use random or target.")
+        if self.regress < 0:
+            raise SpeccError("--regress must not be negative.")
         if not 0.0 <= self.soft <= 1.0:
             raise SpeccError("--soft must be between 0 and 1 (the weight of the soft targets).")
         if self.features and self.eval_prompts > HELD_OUT_RESERVE:
@@ -284,6 +290,21 @@ def target_loss(logits, rec: dict, rows: torch.Tensor, soft: float) -> torch.Ten
     return (1 - soft) * ce + soft * kl
 
 
+def hidden_loss(h, rec: dict, rows: torch.Tensor) -> torch.Tensor:
+    """Per-row smooth-L1 [R] between drafter head inputs h [R, H] and the target's at the label
+    positions `rows` (its post-norm hidden: what its LM head read to choose the label), EAGLE-style."""
+    return F.smooth_l1_loss(h.float(), rec["hidden"][rows].float(), reduction="none").mean(-1)
+
+
+def copy_target_layers(layers, target) -> None:
+    """Drafter decoder layers start as copies of the target's last len(layers) layers: the weights that
+    share a name and shape (DFlash's q_norm / k_norm, which Llama lacks, stay ones)."""
+    for dst, src in zip(layers, target.model.layers[-len(layers):]):
+        own = dst.state_dict()
+        dst.load_state_dict({k: v for k, v in src.state_dict().items() if k in own and own[k].shape == v.shape},
+                            strict=False)
+
+
 def _first_scored(rec: dict) -> int:
     nz = rec["loss"].nonzero()
     return int(nz[0]) if len(nz) else len(rec["ids"])
@@ -308,6 +329,8 @@ class DFlashTrainer:
         # The target's final norm is where the drafter's output lands (its LM head's input): start there.
         with torch.no_grad():
             self.drafter.norm.weight.copy_(model.model.norm.weight)
+            if cfg.init == "target":
+                copy_target_layers(self.drafter.layers, model)
         self.embed = model.get_input_embeddings()
         self.head = model.get_output_embeddings().weight
         self.weights = position_weights(cfg.block_size)
@@ -355,8 +378,10 @@ class DFlashTrainer:
         rows = w.reshape(-1).nonzero().view(-1)  # the LM head (most of the compute) on counted rows only
         if len(rows) == 0:
             return None
-        logits = F.linear(hidden.reshape(-1, hidden.shape[-1])[rows], self.head)
-        per_row = target_loss(logits, rec, pos.reshape(-1)[rows], self.cfg.soft)
+        h, pos = hidden.reshape(-1, hidden.shape[-1])[rows], pos.reshape(-1)[rows]
+        per_row = target_loss(F.linear(h, self.head), rec, pos, self.cfg.soft)
+        if self.cfg.regress:
+            per_row = per_row + self.cfg.regress * hidden_loss(h, rec, pos)
         return (per_row * w.reshape(-1)[rows]).sum() / w.sum()
 
     @torch.no_grad()
@@ -405,6 +430,9 @@ class MTPTrainer:
         self.model, self.cfg = model, cfg
         self.depth = cfg.block_size - 1
         self.heads = build_heads(model, num_modules=cfg.layers, depth=self.depth)
+        if cfg.init == "target":
+            with torch.no_grad():
+                copy_target_layers([m.layer for m in self.heads.mtp], model)
         self.parts = target_parts(model)
 
     def _hidden(self, rec):
@@ -415,12 +443,29 @@ class MTPTrainer:
         return [h[0] for h in self.heads.forward_train(rec["hidden"].float()[None], rec["ids"].long()[None], **parts)]
 
     def loss(self, rec, gen):
+        """Depth d row i counts where position i+d is scored and, for d >= 2, where the tokens it reads
+        after the root (t_{i+2} .. t_{i+d}) are the target's greedy choices: at run time they are the
+        previous depths' drafts, and a chain only goes on while those are accepted."""
         total, D, head = 0.0, self.depth, self.parts["lm_head"].weight
-        for d, h in enumerate(self._hidden(rec), start=1):
-            rows = rec["loss"][d:d + len(h)].nonzero().view(-1)  # row i counts where position i+d is scored
+        for d, (h, rows) in enumerate(zip(self._hidden(rec), self.counted(rec)), start=1):
             if len(rows):
-                total = total + target_loss(F.linear(h[rows], head), rec, rows + d, self.cfg.soft).mean() / D
+                per_row = target_loss(F.linear(h[rows], head), rec, rows + d, self.cfg.soft)
+                if self.cfg.regress:
+                    per_row = per_row + self.cfg.regress * hidden_loss(h[rows], rec, rows + d)
+                total = total + per_row.mean() / D
         return total if torch.is_tensor(total) else None
+
+    def counted(self, rec) -> list[torch.Tensor]:
+        """Per depth d = 1..D, the rows i that count (see loss)."""
+        ids, labels = rec["ids"].long(), rec["labels"].long()
+        follows = ids[1:] == labels[:-1]  # follows[j]: token j+1 is the target's greedy choice after j
+        on_path, out = torch.ones(len(ids), dtype=torch.bool), []
+        for d in range(1, self.depth + 1):
+            n = max(len(ids) - d, 0)
+            if d >= 2:
+                on_path = on_path[:n] & follows[d - 1:d - 1 + n]
+            out.append((rec["loss"][d:d + n] & on_path[:n]).nonzero().view(-1))
+        return out
 
     @torch.no_grad()
     def accepted(self, rec, block=None):
@@ -620,9 +665,9 @@ def _run_features(target, seqs, held, cfg: TrainConfig, work: Path, fast, progre
     drafter alone. Training features are computed and kept in `fast` (bf16 where the CPU has it) and cached;
     held-out ones in fp32, so the held-out tau is exact."""
     layer_ids = _layer_ids(target, cfg)
-    want_hidden = cfg.drafter == "mtp"
+    want_hidden = cfg.drafter == "mtp" or cfg.regress > 0
     fmeta = {**{k: asdict(cfg)[k] for k in DATA_FIELDS}, "drafter": cfg.drafter, "layer_ids": layer_ids,
-             "dtype": str(fast)}
+             "dtype": str(fast), "hidden": want_hidden}
     recs = load_features(work / "features.safetensors", fmeta) if seqs else []
     if recs is None:
         recs = sequence_features(target, seqs, layer_ids, want_hidden, cfg.labels == "regenerate", fast, progress,

@@ -115,6 +115,39 @@ def test_dflash_rows_count_only_on_the_greedy_path():
                     assert pos[r, k - 1] == j
 
 
+def test_mtp_rows_past_depth_one_count_only_on_the_greedy_path():
+    from tiny import tiny_model
+
+    model = tiny_model("llama", vocab=64, layers=2, seed=0)
+    tr = MTPTrainer(model, TrainConfig(drafter="mtp", block_size=4), 3)
+    for seed in range(3):
+        rec = _record(seed=seed)
+        ids, labels, loss = rec["ids"], rec["labels"], rec["loss"]
+        for d, rows in enumerate(tr.counted(rec), start=1):  # row i reads t_{i+1} .. t_{i+d}, labelled at i+d
+            want = [i for i in range(len(ids) - d)
+                    if loss[i + d] and all(ids[i + m + 1] == labels[i + m] for m in range(1, d))]
+            assert rows.tolist() == want, (seed, d)
+
+
+def test_drafter_layers_start_from_the_target_and_regression_reads_its_hidden():
+    from tiny import tiny_model
+    from specc.train import hidden_loss
+
+    model = tiny_model("llama", vocab=64, layers=4, seed=0)
+    mtp = MTPTrainer(model, TrainConfig(drafter="mtp", block_size=3, init="target"), 3)
+    torch.testing.assert_close(mtp.heads.mtp[0].layer.mlp.up_proj.weight, model.model.layers[-1].mlp.up_proj.weight)
+    dfl = DFlashTrainer(model, TrainConfig(block_size=4, taps=2, layers=2, init="target"), 3)
+    for mine, theirs in zip(dfl.drafter.layers, model.model.layers[-2:]):
+        torch.testing.assert_close(mine.self_attn.q_proj.weight, theirs.self_attn.q_proj.weight)
+        torch.testing.assert_close(mine.post_attention_layernorm.weight, theirs.post_attention_layernorm.weight)
+    assert not torch.equal(MTPTrainer(model, TrainConfig(drafter="mtp", block_size=3), 3).heads.mtp[0].layer
+                           .mlp.up_proj.weight, model.model.layers[-1].mlp.up_proj.weight)
+    rec = {"hidden": torch.randn(10, 32)}
+    rows = torch.tensor([2, 5])
+    assert hidden_loss(rec["hidden"][rows], rec, rows).abs().max() == 0
+    assert (hidden_loss(rec["hidden"][rows] + 1.0, rec, rows) > 0).all()
+
+
 def test_soft_targets_are_the_top_k_cross_entropy():
     rec = _record()
     logits = torch.randn(5, 64)
