@@ -218,11 +218,27 @@ def cmd_train(a) -> int:
     return 0
 
 
+def cmd_features(a) -> int:
+    from .train import extract_features
+
+    index = extract_features(a.model, a.output, a.tokens, a.taps, a.max_len, a.sources, progress=not a.json,
+                             log=(lambda m: None) if a.json else print)
+    tokens = sum(s["tokens"] for s in index["shards"])
+    scored = sum(s["scored"] for s in index["shards"])
+    if a.json:
+        print(json.dumps({"output": a.output, "tokens": tokens, "scored": scored, "shards": len(index["shards"]),
+                          "complete": index["complete"]}))
+    else:
+        print(f"features in {a.output}: {tokens} positions ({scored} scored) in {len(index['shards'])} shards"
+              + (" (the corpus is exhausted)" if index["complete"] else ""))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="specc", description="Compile a Hugging Face causal LM and a drafter into a lossless "
                                           "speculative-decoding engine, and run it.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
-    for add in (add_compile, add_build, add_run, add_bench, add_inspect, add_train):
+    for add in (add_compile, add_build, add_run, add_bench, add_inspect, add_train, add_features):
         add(sub)
     return p
 
@@ -354,6 +370,17 @@ def add_train(sub) -> None:
     t.set_defaults(fn=cmd_train)
 
 
+def add_features(sub) -> None:
+    f = sub.add_parser("features", help="extract teacher-forced target features for `specc train --features`")
+    f.add_argument("model", nargs="?", default=None, help="target (default: embedded SmolLM2-135M-Instruct)")
+    f.add_argument("-o", "--output", required=True, help="features folder; the same command resumes or extends it")
+    f.add_argument("--tokens", type=int, required=True, help="extract until the folder holds this many positions")
+    f.add_argument("--taps", type=int, default=3, help="DFlash target layers to keep (default 3, as train)")
+    f.add_argument("--max-len", type=int, default=1024, dest="max_len", help="tokens per sequence (default 1024)")
+    f.add_argument("--sources", default="sharegpt,code", help="sharegpt,code (default both)")
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(fn=cmd_features)
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -379,3 +406,4 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+

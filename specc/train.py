@@ -682,21 +682,49 @@ def _layer_ids(target, cfg: TrainConfig) -> list[int]:
     return default_layer_ids(target.config.num_hidden_layers, cfg.taps) if cfg.drafter == "dflash" else []
 
 
+def feature_spec(target, name: str, taps: int, max_len: int, sources: str, shard_tokens: int = 1 << 17):
+    """The FeatureSpec of a run: taps and hidden both, so one extraction serves MTP, DFlash and DSpark."""
+    from .dflash import default_layer_ids
+    from .features import FeatureSpec
+
+    return FeatureSpec(taps=tuple(default_layer_ids(target.config.num_hidden_layers, taps)), hidden=True,
+                       max_len=max_len, sources=tuple(sources.split(",")), model=name, shard_tokens=shard_tokens)
+
+
+def feature_exclusions() -> set[str]:
+    """Prompts no feature extraction reads: the evaluation sets and the first HELD_OUT_RESERVE ShareGPT
+    prompts (every run's held-out set comes from those)."""
+    evals = eval_set_prompts()
+    return evals | {_norm(p) for p, _ in sharegpt_pairs(HELD_OUT_RESERVE, evals)}
+
+
+def extract_features(model, folder, tokens: int, taps: int = 3, max_len: int = 1024, sources: str = "sharegpt,code",
+                     progress: bool = True, log=print) -> dict:
+    """`specc features`: extract (or extend) a features folder for MODEL, the same as `specc train
+    --features FOLDER --feature-tokens N` would, without training."""
+    from .features import extract
+
+    from .features import FeatureSpec
+
+    if tokens < 1:
+        raise SpeccError("--tokens must be at least 1.")
+    FeatureSpec(max_len=max_len, sources=tuple(sources.split(","))).check()  # before the target loads (and mkdir)
+    target, tokenizer, _, name = load_target(model, Path(folder), False)
+    spec = feature_spec(target, name, taps, max_len, sources)
+    torch.set_num_threads(os.cpu_count() or 1)
+    return extract(target, tokenizer, spec, folder, tokens, feature_exclusions(), progress, log)
+
+
 def _feature_store(target, tokenizer, cfg: TrainConfig, name: str, progress: bool, log, shards: int | None = None):
     """The teacher-forced features of cfg.features (extracted up to cfg.feature_tokens first), or None;
     `shards`: a resumed run's count (it reads those, whatever was extracted since)."""
     if not cfg.features:
         return None
-    from .dflash import default_layer_ids
-    from .features import Features, FeatureSpec, extract
+    from .features import Features, extract
 
-    # Taps and hidden both: one extraction serves MTP, DFlash and DSpark runs alike.
-    spec = FeatureSpec(taps=tuple(default_layer_ids(target.config.num_hidden_layers, cfg.taps)), hidden=True,
-                       max_len=cfg.feature_max_len, sources=tuple(cfg.feature_sources.split(",")), model=name,
-                       shard_tokens=cfg.feature_shard_tokens)
+    spec = feature_spec(target, name, cfg.taps, cfg.feature_max_len, cfg.feature_sources, cfg.feature_shard_tokens)
     if cfg.feature_tokens and shards is None:
-        held = {_norm(p) for p, _ in sharegpt_pairs(HELD_OUT_RESERVE, eval_set_prompts())}
-        extract(target, tokenizer, spec, cfg.features, cfg.feature_tokens, eval_set_prompts() | held, progress, log)
+        extract(target, tokenizer, spec, cfg.features, cfg.feature_tokens, feature_exclusions(), progress, log)
     store = Features.open(cfg.features, shards)
     if store.spec != spec:
         raise SpeccError(f"the features in {cfg.features!r} were extracted with other settings than this run's "

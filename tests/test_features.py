@@ -195,3 +195,14 @@ def test_training_memorises_a_few_sequences(smol, tmp_path, kind):
         opt.step()
     after = evaluate(tr, recs)
     assert after["tau"] > 2.5 > before, (before, after)
+
+
+@pytest.mark.parametrize("argv,needle", [(["--tokens", "10", "--sources", "web"], "feature sources"),
+                                         (["--tokens", "0"], "--tokens"),
+                                         (["--tokens", "10", "--max-len", "4"], "at least 16 tokens")])
+def test_features_command_refuses_bad_input(tmp_path, argv, needle):
+    from conftest import run_specc
+
+    proc = run_specc("features", "-o", tmp_path / "feat", *argv)
+    assert proc.returncode == 2 and proc.stderr.startswith("specc: error:") and proc.stderr.count("\n") == 1
+    assert needle in proc.stderr and not (tmp_path / "feat").exists()
