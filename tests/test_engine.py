@@ -29,8 +29,11 @@ def llama_dir(tmp_path_factory):
     return root, model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
-@pytest.mark.parametrize("drafter,tree", [("none", None), ("ngram", "chain:3"), ("draft-model", "chain:2")])
+# Every architecture through an ngram engine, speculative and plain (its plain graph); a plain-only
+# engine and the draft model (the target's first layer) on two architectures, one with q/k norms.
+@pytest.mark.parametrize("arch,drafter,tree", [(a, "ngram", "chain:3") for a in ("llama", "qwen2", "qwen3", "mistral")]
+                         + [("llama", "none", None)]
+                         + [(a, "draft-model", "chain:2") for a in ("llama", "qwen3")])
 def test_greedy_identical_to_hf(tmp_path, arch, drafter, tree):
     model = tiny_model(arch, vocab=64, layers=2, seed=1)
     model.save_pretrained(tmp_path / "m")
@@ -38,9 +41,13 @@ def test_greedy_identical_to_hf(tmp_path, arch, drafter, tree):
     engine = specc.load(specc.compile(tmp_path / "m", drafter=drafter, tree=tree, output_dir=tmp_path / "e",
                                       max_len=64, prefill_chunk=8, progress=False, modes="greedy", **kw))
     res = engine.generate(PROMPT, max_new_tokens=30, stop_at_eos=False)
-    assert res.token_ids == hf_greedy(model, PROMPT, 30)
+    expected = hf_greedy(model, PROMPT, 30)
+    assert res.token_ids == expected
     assert res.stats.new_tokens == 30
     assert res.stats.steps == 29 if drafter == "none" else res.stats.steps <= 29
+    if drafter == "ngram":
+        plain = engine.generate(PROMPT, max_new_tokens=30, stop_at_eos=False, speculate=False)
+        assert plain.token_ids == expected and plain.stats.steps == 29
 
 
 def test_separate_draft_model(llama_dir, tmp_path, monkeypatch):
