@@ -192,7 +192,8 @@ def target_features(model, ids: list[int], loss: list[bool], spec: FeatureSpec) 
     return rec
 
 
-def _atomic(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
+    """write(tmp) then rename tmp to path: a reader never sees a half-written file."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         write(tmp)
@@ -207,7 +208,7 @@ def _write_shard(folder: Path, n: int, recs: list[dict], sources: list[str]) -> 
     t = {k: torch.cat([r[k] for r in recs]) for k in recs[0]}
     t["lengths"] = torch.tensor([len(r["ids"]) for r in recs], dtype=torch.int64)
     name = f"shard-{n:05d}.safetensors"
-    _atomic(folder / name, lambda tmp: save_file(t, str(tmp)))
+    atomic_write(folder / name, lambda tmp: save_file(t, str(tmp)))
     return {"file": name, "sequences": len(recs), "tokens": int(t["lengths"].sum()),
             "scored": int(t["loss"].sum()), "sources": {s: sources.count(s) for s in sorted(set(sources))},
             "last": _digest(recs[-1]["ids"].tolist())}
@@ -259,7 +260,7 @@ def extract(model, tokenizer, spec: FeatureSpec, folder, tokens: int, exclude: s
             index["sequences_seen"] += len(recs)
             have += pending
             recs, srcs, pending = [], [], 0
-            _atomic(index_file, lambda tmp: tmp.write_text(json.dumps(index, indent=1)))
+            atomic_write(index_file, lambda tmp: tmp.write_text(json.dumps(index, indent=1)))
             if have >= tokens:
                 break
     else:
@@ -267,7 +268,7 @@ def extract(model, tokenizer, spec: FeatureSpec, folder, tokens: int, exclude: s
             index["shards"].append(_write_shard(folder, len(index["shards"]), recs, srcs))
             index["sequences_seen"] += len(recs)
         index["complete"] = True
-        _atomic(index_file, lambda tmp: tmp.write_text(json.dumps(index, indent=1)))
+        atomic_write(index_file, lambda tmp: tmp.write_text(json.dumps(index, indent=1)))
     bar.close()
     return index
 

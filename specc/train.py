@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .errors import SpeccError
+from .features import atomic_write as _atomic
 from .features import normalised as _norm
 
 DRAFTERS = ("dflash", "mtp")
@@ -186,15 +187,6 @@ def load_sequences(path: Path):
         out.append((t["ids"][at: at + n], p))
         at += n
     return out
-
-
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------------- drafters
