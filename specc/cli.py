@@ -347,6 +347,7 @@ def add_train(sub) -> None:
     t.add_argument("--response-len", type=int, dest="response_len", help="new tokens per response (default 192)")
     t.add_argument("--steps", type=int, help="optimizer steps, one sequence each (default 2000)")
     t.add_argument("--anchors", type=int, help="DFlash blocks per sequence (default 64)")
+    t.add_argument("--rows", type=int, help="MTP: rows scored per depth per step, a random sample (default 0: all)")
     t.add_argument("--lr", type=float, help="peak learning rate (default 6e-4)")
     t.add_argument("--seed", type=int)
     t.add_argument("--eval-every", type=int, dest="eval_every")

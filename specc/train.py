@@ -51,6 +51,7 @@ class TrainConfig:
     gen_batch: int = 32  # 170 tokens/s here (16: 119)
     steps: int = 2000
     anchors: int = 64  # DFlash blocks per sequence per step
+    rows: int = 0  # MTP: rows scored per depth per step, drawn from the counted ones (0: all of them)
     lr: float = 6e-4
     warmup: float = 0.04
     clip: float = 1.0
@@ -78,6 +79,8 @@ class TrainConfig:
             raise SpeccError(f"`specc train` trains {' and '.join(DRAFTERS)} drafters, not {self.drafter!r}.")
         if self.labels not in ("regenerate", "data"):
             raise SpeccError(f"--labels {self.labels!r} is unknown; use regenerate or data.")
+        if self.rows < 0:
+            raise SpeccError("--rows must not be negative (0 scores every counted row).")
         for name in ("layers", "prompts", "eval_prompts", "steps", "anchors", "response_len", "gen_batch",
                      "eval_every", "checkpoint_every"):
             if getattr(self, name) < (0 if name == "prompts" and self.features else 1):
@@ -440,6 +443,8 @@ class MTPTrainer:
         previous depths' drafts, and a chain only goes on while those are accepted."""
         total, D, head = 0.0, self.depth, self.parts["lm_head"].weight
         for d, (h, rows) in enumerate(zip(self._hidden(rec), self.counted(rec)), start=1):
+            if self.cfg.rows and len(rows) > self.cfg.rows:  # the LM head is most of the step: score a sample
+                rows = rows[torch.randperm(len(rows), generator=gen)[:self.cfg.rows]].sort().values
             if len(rows):
                 per_row = target_loss(F.linear(h[rows], head), rec, rows + d, self.cfg.soft)
                 if self.cfg.regress:

@@ -129,6 +129,22 @@ def test_mtp_rows_past_depth_one_count_only_on_the_greedy_path():
             assert rows.tolist() == want, (seed, d)
 
 
+def test_mtp_scores_a_sample_of_rows_when_asked():
+    """--rows: the loss over a random sample of the counted rows is an unbiased estimate of the full one."""
+    from tiny import tiny_model
+
+    model = tiny_model("llama", vocab=64, layers=2, seed=0)
+    rec = _record(n=60)
+    rec["hidden"] = torch.randn(60, model.config.hidden_size)
+    full = MTPTrainer(model, TrainConfig(drafter="mtp", block_size=3), 3)
+    part = MTPTrainer(model, TrainConfig(drafter="mtp", block_size=3, rows=8), 3)
+    part.heads.load_state_dict(full.heads.state_dict())
+    with torch.no_grad():
+        whole = float(full.loss(rec, torch.Generator().manual_seed(0)))
+        draws = [float(part.loss(rec, torch.Generator().manual_seed(s))) for s in range(200)]
+    assert len(set(draws)) > 1 and abs(sum(draws) / len(draws) - whole) < 0.05 * whole
+
+
 def test_drafter_layers_start_from_the_target_and_regression_reads_its_hidden():
     from tiny import tiny_model
     from specc.train import hidden_loss
