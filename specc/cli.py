@@ -382,6 +382,7 @@ def add_features(sub) -> None:
     f.add_argument("--json", action="store_true")
     f.set_defaults(fn=cmd_features)
 
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -407,4 +408,3 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -226,8 +226,10 @@ def extract(model, tokenizer, spec: FeatureSpec, folder, tokens: int, exclude: s
     corpus ends); resumes a folder made with the same spec. Returns the index."""
     spec.check()
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     index_file = folder / "index.json"
+    if folder.exists() and (not folder.is_dir() or (any(folder.iterdir()) and not index_file.is_file())):
+        raise SpeccError(f"{str(folder)!r} exists and is not a features folder; refusing to write into it.")
+    folder.mkdir(parents=True, exist_ok=True)
     index = {"format": FORMAT, "spec": json.loads(json.dumps(asdict(spec))), "shards": [], "sequences_seen": 0,
              "complete": False}
     if index_file.is_file():

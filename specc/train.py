@@ -107,8 +107,6 @@ SMOKE = dict(layers=1, block_size=4, taps=2, prompts=8, eval_prompts=2, max_prom
 # ------------------------------------------------------------------------------------ data
 
 
-
-
 def sharegpt_pairs(n: int, exclude: set[str]):
     """(first human turn, first model reply) of ShareGPT conversations, skipping empty ones and any
     prompt that appears in an evaluation set."""
@@ -699,9 +697,7 @@ def extract_features(model, folder, tokens: int, taps: int = 3, max_len: int = 1
                      progress: bool = True, log=print) -> dict:
     """`specc features`: extract (or extend) a features folder for MODEL, the same as `specc train
     --features FOLDER --feature-tokens N` would, without training."""
-    from .features import extract
-
-    from .features import FeatureSpec
+    from .features import FeatureSpec, extract
 
     if tokens < 1:
         raise SpeccError("--tokens must be at least 1.")

@@ -63,6 +63,11 @@ def test_extraction_resumes_to_what_one_run_makes(smol, tmp_path):
                                atol=0.01, rtol=0.01)
     with pytest.raises(SpeccError, match="other settings"):
         extract(model, tok, _spec(topk=2), tmp_path / "one", 500, progress=False)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "mine.txt").write_text("precious")
+    with pytest.raises(SpeccError, match="not a features folder"):
+        extract(model, tok, spec, tmp_path / "notes", 100, progress=False)
+    assert [p.name for p in (tmp_path / "notes").iterdir()] == ["mine.txt"]
     # A corpus that no longer replays the same (another Python or tokenizer) cannot resume the folder.
     index = json.loads((tmp_path / "two" / "index.json").read_text())
     index["shards"][-1]["last"] = "0" * 16
