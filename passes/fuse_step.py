@@ -24,7 +24,8 @@ class FusedStep(nn.Module):
         # drafter's tensors are named "draft.<its own name>".
         self.inner, self.draft, self.T = verify_step, draft_step, tree.size
         self.verify_signature = StepSignature(tree.size, draft.sampled, mode=draft.mode, table=table)
-        self.signature = StepSignature(tree.size, draft.sampled, fused=True, mode=draft.mode, table=table)
+        self.signature = StepSignature(tree.size, draft.sampled, fused=True, mode=draft.mode, table=table,
+                                       confidence=draft.confidence)
         self.draft_signature = draft
 
     def forward(self, tokens, base_len, *rest):  # rest: the mode's sampling inputs (+ draft_q)
@@ -46,16 +47,16 @@ class FusedStep(nn.Module):
         draft_uniforms = None
         if self.draft_signature.sampled is not None:
             draft_uniforms = uniforms.index_select(0, base_len.view(1))[0, self.T + 1:]
-        drafts, q = self.draft_signature.unpack(self.draft(*self.draft_signature.args(
+        drafts, q, confidence = self.draft_signature.unpack(self.draft(*self.draft_signature.args(
             rows, next_tokens, base_len, n + 1, temperature, top_p, draft_uniforms)))
-        return self.signature.outputs(n, path, out, base_len, next_drafts=drafts, next_q=q)
+        return self.signature.outputs(n, path, out, base_len, next_drafts=drafts, next_q=q, confidence=confidence)
 
 
 def fuse_step(verify_ep: torch.export.ExportedProgram, draft_ep: torch.export.ExportedProgram, tree: Tree,
               draft: DraftSignature, table: tuple[int, int] | None = None) -> torch.export.ExportedProgram:
     """Invariant: the program has the fused StepSignature of `draft.mode`: the target step's inputs,
     outputs (report [2D+3], next base_len [], the next tree's tokens [T] (its root: the bonus token;
-    then the drafts) (+ its q)); the target's KV cache ends as after the unfused step, and the
+    then the drafts) (+ its q) (+ the drafter's confidences)); the target's KV cache ends as after the unfused step, and the
     drafter's cache and next drafts are exactly what its step graph (DraftSignature, T rows) gives
     for the accepted rows (ctx_start = base_len, n_ctx = n + 1) and, with sampled children, the
     draws that follow this tree's in row base_len of the uniforms table."""

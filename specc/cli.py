@@ -197,9 +197,6 @@ def cmd_build(a) -> int:
 def cmd_train(a) -> int:
     from .train import SMOKE, TrainConfig, train
 
-    if a.drafter == "dspark":
-        raise SpeccError("training a dspark drafter is not available in this version of specc; "
-                         "use --drafter dflash or mtp.")
     fields = {k: getattr(a, k) for k in TrainConfig.__dataclass_fields__ if getattr(a, k, None) is not None}
     cfg = TrainConfig(**{**(SMOKE if a.smoke else {}), **fields})  # explicit options win over --smoke's
     res = train(a.model, a.output, cfg, smoke=a.smoke, progress=not a.json,
@@ -247,13 +244,14 @@ def add_compile(sub) -> None:
     c = sub.add_parser("compile", help="compile a model and drafter into an engine directory")
     c.add_argument("model", nargs="?", default=None,
                    help="Hugging Face model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    c.add_argument("--drafter", default="none", help="none | ngram | draft-model | dflash | mtp")
+    c.add_argument("--drafter", default="none", help="none | ngram | draft-model | dflash | dspark | mtp")
     c.add_argument("--drafter-path", default=None,
-                   help="draft model directory or .gguf (draft-model); DFlash drafter directory (dflash); "
+                   help="draft model directory or .gguf (draft-model); DFlash / DSpark drafter directory (dflash, dspark); "
                         "MTP checkpoint, DeepSeek-V3 or Qwen3-Next layout (mtp). dflash and mtp on the embedded "
                         "SmolLM2 default to the drafters shipped with specc")
     c.add_argument("--block-size", type=int, default=None,
-                   help="dflash: run on blocks of this size (at most the trained one; default: the trained one)")
+                   help="dflash, dspark: run on blocks of this size (at most the trained one; default: the shortest "
+                        "that reaches the tree's depth)")
     c.add_argument("--drafter-layers", type=int, default=None,
                    help="draft-model: use the first N layers (of the target when no --drafter-path)")
     c.add_argument("--tree", default=None, help="chain:K | topk:DEPTH,WIDTH | sequoia:BUDGET | auto | FILE.json")
@@ -332,21 +330,23 @@ def add_build(sub) -> None:
 
 
 def add_train(sub) -> None:
-    t = sub.add_parser("train", help="train a DFlash or MTP drafter by self-distillation on ShareGPT prompts")
+    t = sub.add_parser("train", help="train a DFlash, DSpark or MTP drafter by self-distillation on ShareGPT prompts")
     t.add_argument("model", nargs="?", default=None, help="target (default: embedded SmolLM2-135M-Instruct)")
     t.add_argument("--drafter", required=True, choices=["mtp", "dflash", "dspark"])
     t.add_argument("-o", "--output", required=True, help="run directory; the same command resumes a stopped run")
-    t.add_argument("--layers", type=int, help="DFlash layers / MTP modules (default 1)")
+    t.add_argument("--layers", type=int, help="DFlash / DSpark layers, MTP modules (default 1)")
     t.add_argument("--block-size", type=int, dest="block_size",
-                   help="DFlash block size / MTP depth + 1 (default 16 for dflash, 5 for mtp)")
-    t.add_argument("--taps", type=int, help="DFlash: target layers to condition on (default 3)")
+                   help="DFlash block size (B-1 drafts), DSpark block size (B drafts), MTP depth + 1 (default 16 "
+                        "for dflash, 7 for dspark, 5 for mtp)")
+    t.add_argument("--taps", type=int, help="DFlash / DSpark: target layers to condition on (default 3)")
     t.add_argument("--labels", choices=["regenerate", "data"], help="sequences: the target's own responses "
                    "(default) or the dataset's")
     t.add_argument("--prompts", type=int, help="training sequences (default 1000)")
     t.add_argument("--eval-prompts", type=int, dest="eval_prompts", help="held-out sequences (default 24)")
     t.add_argument("--response-len", type=int, dest="response_len", help="new tokens per response (default 192)")
     t.add_argument("--steps", type=int, help="optimizer steps, one sequence each (default 2000)")
-    t.add_argument("--anchors", type=int, help="DFlash blocks per sequence (default 64)")
+    t.add_argument("--anchors", type=int, help="DFlash / DSpark blocks per sequence (default 64)")
+    t.add_argument("--markov-rank", type=int, dest="markov_rank", help="DSpark: rank of the Markov head (default 256)")
     t.add_argument("--rows", type=int, help="MTP: rows scored per depth per step, a random sample (default 0: all)")
     t.add_argument("--lr", type=float, help="peak learning rate (default 6e-4)")
     t.add_argument("--seed", type=int)

@@ -266,13 +266,12 @@ def block_mask(anchors, ctx_len: int, block_size: int, lengths=None) -> torch.Te
     return additive_mask(torch.cat((ctx_ok, blk_ok), dim=1))
 
 
-def draft_logits(drafter: DFlashDrafter, embed: nn.Module, lm_head_weight, taps, tokens, anchors,
-                 block_size: int | None = None, lengths=None):
+def block_hidden(drafter: DFlashDrafter, embed: nn.Module, taps, tokens, anchors, block_size: int | None = None,
+                 lengths=None):
     """Teacher-forced training forward over one sequence. taps [N, L*H] are the target's features of
     tokens [N]; each anchor a starts a block [tokens[a], MASK, ...] of `block_size` rows (default: the
     trained size) at positions a..a+B-1; `lengths` [nb] optionally shortens blocks (see block_mask).
-    Returns logits [nb, B-1, V]: row k-1 of block j predicts the token at a_j + k (with
-    lm_head_weight None: the rows' hidden states [nb, B-1, H], for a head applied to some rows only)."""
+    Returns every block row's final-normed hidden state [nb, B, H]."""
     cfg = drafter.config
     B, nb = block_size or cfg.block_size, anchors.shape[0]
     block = torch.full((nb, B), cfg.mask_token_id, dtype=torch.long)
@@ -281,7 +280,15 @@ def draft_logits(drafter: DFlashDrafter, embed: nn.Module, lm_head_weight, taps,
     x = embed(block.reshape(-1))
     ctx = drafter.context(taps)
     h = drafter(x, positions, ctx, torch.arange(taps.shape[0]), block_mask(anchors, taps.shape[0], B, lengths))
-    h = h.view(nb, B, -1)[:, 1:]
+    return h.view(nb, B, -1)
+
+
+def draft_logits(drafter: DFlashDrafter, embed: nn.Module, lm_head_weight, taps, tokens, anchors,
+                 block_size: int | None = None, lengths=None):
+    """block_hidden's rows 1..B-1 through the LM head: logits [nb, B-1, V], row k-1 of block j
+    predicts the token at a_j + k (with lm_head_weight None: the rows' hidden states [nb, B-1, H],
+    for a head applied to some rows only)."""
+    h = block_hidden(drafter, embed, taps, tokens, anchors, block_size, lengths)[:, 1:]
     return h if lm_head_weight is None else F.linear(h, lm_head_weight)
 
 
@@ -308,36 +315,45 @@ def save_dflash(drafter: DFlashDrafter, path) -> Path:
 
 def load_dflash(path, dtype=torch.float32) -> DFlashDrafter:
     """Read a DFlash directory (config.json + *.safetensors), strictly by the published key names."""
+    raw, weights = read_checkpoint(path, ARCHITECTURE, "DFlash")
+    return load_strictly(DFlashDrafter(DFlashConfig.from_json(raw)), weights, path, "DFlash", dtype)
+
+
+def read_checkpoint(path, architecture: str, what: str) -> tuple[dict, dict]:
+    """(config.json, weights without a `model.` prefix) of a drafter directory whose config.json
+    names `architecture`; `what` names the kind in messages."""
     from safetensors.torch import load_file
 
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise SpeccError(f"DFlash drafter {str(path)!r} has no config.json; give a DFlash checkpoint directory.")
+        raise SpeccError(f"{what} drafter {str(path)!r} has no config.json; give a {what} checkpoint directory.")
     try:
         raw = json.loads((path / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise SpeccError(f"{path / 'config.json'} is not valid JSON ({e.msg} at line {e.lineno}).") from None
-    if ARCHITECTURE not in (raw.get("architectures") or []):
-        raise SpeccError(f"{str(path)!r} is not a DFlash drafter (config.json architectures is "
-                         f"{raw.get('architectures')}, expected {ARCHITECTURE}).")
-    cfg = DFlashConfig.from_json(raw)
+    if architecture not in (raw.get("architectures") or []):
+        raise SpeccError(f"{str(path)!r} is not a {what} drafter (config.json architectures is "
+                         f"{raw.get('architectures')}, expected {architecture}).")
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
-        raise SpeccError(f"DFlash drafter {str(path)!r} has no .safetensors weights.")
+        raise SpeccError(f"{what} drafter {str(path)!r} has no .safetensors weights.")
     weights = {}
     for s in shards:
         weights.update(load_file(str(s)))
-    weights = {k.removeprefix("model."): v for k, v in weights.items()}
-    drafter = DFlashDrafter(cfg)
+    return raw, {k.removeprefix("model."): v for k, v in weights.items()}
+
+
+def load_strictly(drafter: nn.Module, weights: dict, path, what: str, dtype) -> nn.Module:
+    """`drafter` with exactly `weights` (same names, same shapes), in `dtype`, frozen, in eval mode."""
     own = drafter.state_dict()
     missing = [k for k in own if k not in weights]
     unexpected = [k for k in weights if k not in own]
     if missing or unexpected:
         which = f"lacks weight {missing[0]!r}" if missing else f"has unexpected weight {unexpected[0]!r}"
-        raise SpeccError(f"DFlash drafter {str(path)!r} {which}; it does not match its config.json.")
+        raise SpeccError(f"{what} drafter {str(path)!r} {which}; it does not match its config.json.")
     for k, v in own.items():
         if weights[k].shape != v.shape:
-            raise SpeccError(f"DFlash weight {k!r} has shape {tuple(weights[k].shape)}, its config.json "
+            raise SpeccError(f"{what} weight {k!r} has shape {tuple(weights[k].shape)}, its config.json "
                              f"implies {tuple(v.shape)}.")
     drafter.load_state_dict(weights)
     return drafter.to(dtype).eval().requires_grad_(False)
@@ -381,6 +397,9 @@ class DFlashStep(nn.Module):
     inputs (uniforms [(B-1) * width]) and returns (drafts, q [B-1, V]): the drafts are draws from q,
     the drafter's distribution at each block position (draft_tokens.sampled_drafts)."""
 
+    FIRST_ROW = 1  # the first block row that drafts (DSpark's anchor row drafts too)
+    NAME = "DFlash"
+
     def __init__(self, drafter: DFlashDrafter, embed_tokens: nn.Module, lm_head_weight: torch.Tensor,
                  cache_len: int, block_size: int | None = None, tree: Tree | None = None, sampled: bool = False):
         super().__init__()
@@ -388,15 +407,16 @@ class DFlashStep(nn.Module):
         cfg = drafter.config
         # A drafter trained on blocks of B also runs on shorter ones (not the reverse).
         self.block_size = cfg.block_size if block_size is None else block_size
-        if not 2 <= self.block_size <= cfg.block_size:
-            raise SpeccError(f"a DFlash drafter trained on blocks of {cfg.block_size} runs on blocks of 2 to "
-                             f"{cfg.block_size}, not {self.block_size}.")
-        tree = chain(self.block_size - 1) if tree is None else tree
-        if tree.max_depth > self.block_size - 1:
-            raise SpeccError(f"a token tree of depth {tree.max_depth} needs a DFlash block of at least "
-                             f"{tree.max_depth + 1}, not {self.block_size}.")
+        first, least = self.FIRST_ROW, self.FIRST_ROW + 1
+        if not least <= self.block_size <= cfg.block_size:
+            raise SpeccError(f"a {self.NAME} drafter trained on blocks of {cfg.block_size} runs on blocks of {least} "
+                             f"to {cfg.block_size}, not {self.block_size}.")
+        self.tree = tree = chain(self.block_size - first) if tree is None else tree
+        if tree.max_depth > self.block_size - first:
+            raise SpeccError(f"a token tree of depth {tree.max_depth} needs a {self.NAME} block of at least "
+                             f"{tree.max_depth + first}, not {self.block_size}.")
         depth, rank, self.width = draft_slots(tree)
-        self.q_rows = self.block_size - 1  # one distribution per drafted block position
+        self.q_rows = self.block_size - first  # one distribution per drafted block position
         self.register_buffer("draft_depth", depth, persistent=False)
         self.register_buffer("draft_rank", rank, persistent=False)
         self.drafter = drafter
@@ -421,6 +441,16 @@ class DFlashStep(nn.Module):
 
     def forward(self, taps, next_tokens, ctx_start, n_ctx, *sampling_args):
         s = parse_sampling(sampling_args)  # none in greedy mode: top-k drafts
+        h, _ = self.block_rows(taps, next_tokens, ctx_start, n_ctx)
+        logits = F.linear(h, self.lm_head_weight)
+        if self.sampled and s.mode != "greedy":
+            return sampled_drafts(logits, self.draft_depth, self.draft_rank, self.width, s.temperature, s.top_p,
+                                  s.uniforms)
+        return tree_drafts(logits, self.draft_depth, self.draft_rank, self.width)
+
+    def block_rows(self, taps, next_tokens, ctx_start, n_ctx):
+        """Cache the context rows, run the block: (its drafting rows' final-normed hidden states
+        [B - FIRST_ROW, H], the anchor [1])."""
         cfg = self.drafter.config
         anchor = next_tokens.index_select(0, (n_ctx - 1).view(1))
         R, B, S = taps.shape[0], self.block_size, self.cache_len
@@ -441,9 +471,5 @@ class DFlashStep(nn.Module):
             k_cache.index_copy_(2, ctx_pos, k_new.unsqueeze(0))
             v_cache.index_copy_(2, ctx_pos, v_new.unsqueeze(0))
             x = layer(x, cos, sin, k_cache[0], v_cache[0], mask)
-        logits = F.linear(self.drafter.norm(x)[1:], self.lm_head_weight)
-        if self.sampled and s.mode != "greedy":
-            return sampled_drafts(logits, self.draft_depth, self.draft_rank, self.width, s.temperature, s.top_p,
-                                  s.uniforms)
-        return tree_drafts(logits, self.draft_depth, self.draft_rank, self.width)
+        return self.drafter.norm(x)[self.FIRST_ROW:], anchor
 

@@ -68,6 +68,7 @@ class Run:
     root_dev: torch.Tensor | None = None
     next_tokens: torch.Tensor | None = None
     next_q: torch.Tensor | None = None
+    next_confidence: torch.Tensor | None = None  # a DSpark drafter's confidence in each of next_tokens' drafts
 
 
 @dataclass
@@ -93,13 +94,15 @@ class Engine:
         # One graph per step where the engine has a fused step; False runs the unfused path (its reference).
         self.use_fused = True
         self.sampled = SampledChildren.from_entry(manifest["drafter"], manifest["target"]["vocab_size"])
+        self.rates = manifest["drafter"].get("confidence", False)  # its fused graph returns confidences
         self.modes = tuple(manifest.get("modes", MODES))
         self._report_buffers: dict[int, torch.Tensor] = {}  # pinned host buffers for the reports (CUDA)
 
     def signatures(self, mode: str) -> tuple[StepSignature, StepSignature, StepSignature]:
         """The plain, step and fused graphs' calling conventions in `mode`."""
         T, q = self.tree.size, self.sampled
-        return StepSignature(1, mode=mode), StepSignature(T, q, mode=mode), StepSignature(T, q, fused=True, mode=mode)
+        return (StepSignature(1, mode=mode), StepSignature(T, q, mode=mode),
+                StepSignature(T, q, fused=True, mode=mode, confidence=self.rates))
 
     # -- prompts ---------------------------------------------------------------------------
     def encode(self, prompt, chat: bool = False) -> list[int]:
@@ -266,7 +269,7 @@ class Engine:
             tokens, q = run.next_tokens, run.next_q
         res = sig.unpack(run.graphs["fused"](*sig.args(tokens, run.base_dev, run.temperature, run.top_p, run.table,
                                                        q)))
-        run.next_tokens, run.next_q = res.tokens, res.next_q
+        run.next_tokens, run.next_q, run.next_confidence = res.tokens, res.next_q, res.confidence
         return self._advance(run, res), T
 
     def _commit(self, run: "Run", stats: Stats, n: int, path, out, size: int, stop_at_eos: bool) -> list[int]:

@@ -123,6 +123,7 @@ class StepOutputs(NamedTuple):
     tokens: Tensor  # the next call's tokens: unfused [1] (the root: the bonus token); fused [T] (root + drafts)
     taps: tuple  # unfused: the taps of every tree node, each [1, T, H]
     next_q: Tensor | None  # fused with sampled children: the next tree's q
+    confidence: Tensor | None = None  # fused, with a drafter that rates its drafts (DSpark): [T-1]
 
 
 @dataclass(frozen=True)
@@ -132,12 +133,14 @@ class StepSignature:
                 table, see uniform_columns and sampling_inputs); in a sampling mode, sampled
                 children add draft_q [q_rows, V] (this tree's q).
        outputs: report [2D+3], next base_len [], then the root [1] and the taps (unfused) or the next
-                tree's tokens [T] (+ its q) (fused): what the next call takes, kept on the device."""
+                tree's tokens [T] (+ its q) (+ the drafter's confidences [T-1]) (fused): what the next
+                call takes, kept on the device."""
     size: int  # T, the tree's nodes
     sampled: SampledChildren | None = None
     fused: bool = False
     mode: str = "greedy"
     table: tuple[int, int] | None = None  # (rows, cols) of the uniforms table: needed in the sampling modes
+    confidence: bool = False  # the fused graph also returns the drafter's confidence in each next draft
 
     def __post_init__(self):
         if check_mode(self.mode) == "greedy":  # greedy verification ignores q: the drafts are the top-k
@@ -160,20 +163,22 @@ class StepSignature:
                          torch.tensor(0.5), torch.zeros(table) if table else None,
                          torch.zeros(s.q_rows, s.vocab) if s else None)
 
-    def outputs(self, n, path, out, base_len, taps=(), next_drafts=None, next_q=None) -> tuple:
+    def outputs(self, n, path, out, base_len, taps=(), next_drafts=None, next_q=None, confidence=None) -> tuple:
         report = torch.cat((n.view(1), path, out))
         root = out.index_select(0, n.view(1))
         next_base_len = base_len + n + 1
         if not self.fused:
             return (report, next_base_len, root, *taps)
         tokens = torch.cat((root, next_drafts))
-        return (report, next_base_len, tokens) + ((next_q,) if self.sampled is not None else ())
+        return ((report, next_base_len, tokens) + ((next_q,) if self.sampled is not None else ())
+                + ((confidence,) if self.confidence else ()))
 
     def unpack(self, outputs) -> StepOutputs:
         report, base_len, tokens, *rest = outputs
         if not self.fused:
             return StepOutputs(report, base_len, tokens, tuple(rest), None)
-        return StepOutputs(report, base_len, tokens, (), rest[0] if self.sampled is not None else None)
+        q = rest.pop(0) if self.sampled is not None else None
+        return StepOutputs(report, base_len, tokens, (), q, rest[0] if self.confidence else None)
 
 
 @dataclass(frozen=True)
@@ -181,9 +186,11 @@ class DraftSignature:
     """inputs:  rows [R, width] (hidden features of committed tokens; rows past n_ctx are padding),
                 next_tokens [R] int64, ctx_start [], n_ctx []; with sampled children in a sampling
                 mode also the mode's sampling inputs (uniforms [q_rows * width]).
-       outputs: drafts [T-1]; with sampled children in a sampling mode (drafts, q [q_rows, V])."""
+       outputs: drafts [T-1]; with sampled children in a sampling mode also q [q_rows, V]; with
+                `confidence` (DSpark) also the drafter's confidence in each draft [T-1]."""
     sampled: SampledChildren | None = None
     mode: str = "greedy"
+    confidence: bool = False
 
     def __post_init__(self):
         if check_mode(self.mode) == "greedy":
@@ -199,6 +206,9 @@ class DraftSignature:
                          torch.tensor(0), torch.tensor(rows), torch.tensor(1.0), torch.tensor(0.5),
                          torch.zeros(s.uniforms) if s else None)
 
-    def unpack(self, outputs) -> tuple[Tensor, Tensor | None]:
-        """(drafts, q or None)."""
-        return tuple(outputs) if self.sampled is not None else (outputs, None)
+    def unpack(self, outputs) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """(drafts, q or None, confidences or None)."""
+        outs = list(outputs) if self.sampled is not None or self.confidence else [outputs]
+        drafts = outs.pop(0)
+        q = outs.pop(0) if self.sampled is not None else None
+        return drafts, q, (outs[0] if self.confidence else None)

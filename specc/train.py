@@ -1,4 +1,4 @@
-"""`specc train`: self-distillation of a drafter (DFlash or MTP) from its own target.
+"""`specc train`: self-distillation of a drafter (DFlash, DSpark or MTP) from its own target.
 
     ShareGPT prompts (never MT-Bench or HumanEval) -> sequences: the target's own greedy responses
     ("regenerate") or the dataset's responses ("data") -> the target's view of every sequence, once
@@ -10,7 +10,7 @@ Labels are always the target's own argmax at each position given the true prefix
 regenerated sequences (the default) a label is exactly what greedy verification will accept,
 and the held-out tau is the exact greedy acceptance length of a chain over those sequences.
 
-Output directory: the drafter in its published format at the top (DFlash: config.json +
+Output directory: the drafter in its published format at the top (DFlash and DSpark: config.json +
 model.safetensors; MTP: the DeepSeek-V3 layout) with training.json (command, configuration, final
 held-out figures), and `train/` with the sequences (data.safetensors), the target's features
 (features.safetensors), the optimizer state (state.safetensors), progress.json (config, step, loss
@@ -34,15 +34,16 @@ from .errors import SpeccError
 from .features import atomic_write as _atomic
 from .features import normalised as _norm
 
-DRAFTERS = ("dflash", "mtp")
+DRAFTERS = ("dflash", "mtp", "dspark")
 
 
 @dataclass
 class TrainConfig:
     drafter: str = "dflash"
-    layers: int = 1  # DFlash decoder layers; MTP modules
-    block_size: int | None = None  # DFlash block (B - 1 drafts; default 16); MTP: depth + 1 (default 5)
-    taps: int = 3  # DFlash target layers
+    layers: int = 1  # DFlash / DSpark decoder layers; MTP modules
+    # DFlash block (B - 1 drafts; default 16); DSpark block (B drafts; default 7); MTP: depth + 1 (default 5)
+    block_size: int | None = None
+    taps: int = 3  # DFlash / DSpark target layers
     labels: str = "regenerate"  # "regenerate" | "data"
     prompts: int = 1000  # training sequences
     eval_prompts: int = 24  # held-out sequences (ShareGPT too, disjoint from training)
@@ -50,7 +51,8 @@ class TrainConfig:
     response_len: int = 192
     gen_batch: int = 32  # 170 tokens/s here (16: 119)
     steps: int = 2000
-    anchors: int = 64  # DFlash blocks per sequence per step
+    anchors: int = 64  # DFlash / DSpark blocks per sequence per step
+    markov_rank: int = 256  # DSpark: rank of the Markov head (V x r twice: 2 x 25 MB in bf16 on a 49k vocabulary)
     rows: int = 0  # MTP: rows scored per depth per step, drawn from the counted ones (0: all of them)
     lr: float = 6e-4
     warmup: float = 0.04
@@ -72,7 +74,7 @@ class TrainConfig:
 
     def __post_init__(self):
         if self.block_size is None:
-            self.block_size = 5 if self.drafter == "mtp" else 16
+            self.block_size = {"mtp": 5, "dspark": 7}.get(self.drafter, 16)
 
     def check(self) -> None:
         if self.drafter not in DRAFTERS:
@@ -82,7 +84,7 @@ class TrainConfig:
         if self.rows < 0:
             raise SpeccError("--rows must not be negative (0 scores every counted row).")
         for name in ("layers", "prompts", "eval_prompts", "steps", "anchors", "response_len", "gen_batch",
-                     "eval_every", "checkpoint_every"):
+                     "eval_every", "checkpoint_every", "markov_rank"):
             if getattr(self, name) < (0 if name == "prompts" and self.features else 1):
                 raise SpeccError(f"--{name.replace('_', '-')} must be at least 1.")
         if self.init not in ("random", "target"):
@@ -414,6 +416,120 @@ class DFlashTrainer:
         return self.drafter.named_parameters()
 
 
+class DSparkTrainer(DFlashTrainer):
+    """DFlash's trainer (fc on scaled inputs, anchors, run-time block sizes, the greedy-path mask)
+    with every block row scored and DSpark's heads and loss (REFERENCE.md §4): per row k (weight
+    exp(-k/gamma)), 0.1 x cross-entropy to the target's argmax + 0.9 x the total variation between the
+    drafter's and the target's distributions + 1.0 x a cross-entropy of the confidence head toward
+    1 - TV (TV held fixed there). The target's distribution is its top-k from the features plus one
+    cell for the rest of the vocabulary (TV over that partition: a lower bound of the full one), or
+    its argmax alone where a record has no top-k. The Markov head reads the text's token before each
+    row's label, which on the greedy path (the only rows counted past the first) is the previous draft."""
+
+    CE, TV, CONF = 0.1, 0.9, 1.0
+
+    def __init__(self, model, cfg: TrainConfig, mask_token_id: int, recs=()):
+        from .dflash import dflash_config_for, position_weights
+        from .dspark import DSparkDrafter
+
+        super().__init__(model, cfg, mask_token_id, recs)
+        dense = self.drafter.state_dict()
+        self.drafter = DSparkDrafter(dflash_config_for(model.config, num_layers=cfg.layers, block_size=cfg.block_size,
+                                                       num_taps=cfg.taps, mask_token_id=mask_token_id), cfg.markov_rank)
+        self.drafter.load_state_dict(dense, strict=False)  # the backbone as DFlash's trainer set it up
+        self.weights = position_weights(cfg.block_size + 1)  # B drafts weighted like DFlash's B+1 block
+
+    def _logits(self, rec, anchors, block=None, lengths=None, head=True):
+        """(backbone hidden states [nb, B, H], label positions [nb, B], valid [nb, B]): row k of anchor
+        a predicts token a+k+1, whose label is the target's argmax at a+k; it counts where that position
+        is scored and, for k >= 1, where tokens a+1..a+k followed the target's greedy path."""
+        from .dflash import block_hidden
+
+        ids = rec["ids"].long()
+        hidden = block_hidden(self.drafter, self.embed, rec["taps"].float() * self.scale, ids, anchors, block, lengths)
+        B, N = block or self.cfg.block_size, len(ids)
+        pos = anchors.view(-1, 1) + torch.arange(B)
+        inside = pos < N
+        pos = torch.where(inside, pos, N - 1)
+        on_path = torch.ones_like(inside)
+        if B > 1:
+            follows = torch.cat([ids[1:] == rec["labels"][:-1].long(), torch.zeros(1, dtype=torch.bool)])
+            on_path[:, 1:] = follows[pos[:, :-1]].cumprod(dim=1).bool()
+        return hidden, pos, inside & rec["loss"][pos] & on_path
+
+    def _heads(self, h, rec, pos):
+        """(draft logits [R, V], confidence logits [R]) of rows h [R, H] whose labels sit at `pos`."""
+        return self.drafter.heads(F.linear(h, self.head), h, rec["ids"][pos].long())
+
+    def loss(self, rec, gen):
+        lo, N = _first_scored(rec), len(rec["ids"])
+        cand = lo + rec["loss"][lo:].nonzero().view(-1) if lo < N else torch.zeros(0, dtype=torch.long)
+        if len(cand) == 0:
+            return None
+        anchors = cand[torch.randperm(len(cand), generator=gen)[: self.cfg.anchors]].sort().values
+        sizes = torch.tensor(run_blocks(self.cfg.block_size))
+        lengths = sizes[torch.randint(len(sizes), (len(anchors),), generator=gen)]
+        hidden, pos, valid = self._logits(rec, anchors, lengths=lengths)
+        w = self.weights.view(1, -1) * valid * (torch.arange(self.cfg.block_size) < lengths.view(-1, 1))
+        rows = w.reshape(-1).nonzero().view(-1)
+        if len(rows) == 0:
+            return None
+        h, pos = hidden.reshape(-1, hidden.shape[-1])[rows], pos.reshape(-1)[rows]
+        logits, conf = self._heads(h, rec, pos)
+        logp = logits.float().log_softmax(-1)
+        ce = -logp.gather(-1, rec["labels"][pos].long().unsqueeze(-1)).squeeze(-1)
+        tv = total_variation(logp.exp(), rec, pos)
+        conf_loss = F.binary_cross_entropy_with_logits(conf.float(), (1 - tv).detach().clamp(0, 1), reduction="none")
+        per_row = self.CE * ce + self.TV * tv + self.CONF * conf_loss
+        if self.cfg.regress:
+            per_row = per_row + self.cfg.regress * hidden_loss(h, rec, pos)
+        return (per_row * w.reshape(-1)[rows]).sum() / w.sum()
+
+    @torch.no_grad()
+    def accepted(self, rec, block=None):
+        """Per anchor with a full block inside the scored part: drafts matching the target, as a chain
+        (B drafts from a block of B; the Markov head reads the text's tokens, which on regenerated
+        held-out text are the drafts a chain reaches)."""
+        B, N = block or self.cfg.block_size, len(rec["ids"])
+        lo, hi = _first_scored(rec), N - B
+        if hi <= lo:
+            return torch.zeros(0, B, dtype=torch.bool)
+        anchors = torch.arange(lo, hi)
+        anchors = anchors[torch.linspace(0, len(anchors) - 1, min(64, len(anchors))).long()]
+        hidden, pos, _ = self._logits(rec, anchors, block)
+        logits, _ = self._heads(hidden.reshape(-1, hidden.shape[-1]), rec, pos.reshape(-1))
+        return (logits.argmax(-1) == rec["labels"][pos.reshape(-1)].long()).view(pos.shape)
+
+    def save(self, path: Path) -> None:
+        import copy
+
+        from .dspark import save_dspark
+
+        folded = copy.deepcopy(self.drafter)
+        with torch.no_grad():
+            folded.fc.weight.mul_(self.scale)
+        save_dspark(folded, path)
+
+    def load(self, path: Path) -> None:
+        from .dspark import load_dspark
+
+        self.drafter.load_state_dict(load_dspark(path).state_dict())
+        with torch.no_grad():
+            self.drafter.fc.weight.div_(self.scale)
+
+
+def total_variation(p, rec: dict, rows: torch.Tensor) -> torch.Tensor:
+    """½‖p - p_target‖₁ per row [R] for drafter probabilities p [R, V] at the record's positions
+    `rows`: over the target's top-k and one cell for the rest of the vocabulary where the record has
+    its top-k (a lower bound of the full distance), else against its argmax (exact: 1 - p(label))."""
+    if "topk_ids" not in rec:
+        return 1 - p.gather(-1, rec["labels"][rows].long().unsqueeze(-1)).squeeze(-1)
+    pt = rec["topk_logp"][rows].float().exp()
+    pd = p.gather(-1, rec["topk_ids"][rows].long())
+    rest = ((1 - pd.sum(-1)) - (1 - pt.sum(-1))).abs()
+    return 0.5 * ((pd - pt).abs().sum(-1) + rest)
+
+
 class MTPTrainer:
     layer_ids = ()
 
@@ -488,6 +604,9 @@ class MTPTrainer:
 
     def named_parameters(self):
         return self.heads.named_parameters()
+
+
+TRAINERS = {"dflash": DFlashTrainer, "mtp": MTPTrainer, "dspark": DSparkTrainer}
 
 
 def tau_of(accepted: torch.Tensor, k: int | None = None) -> float:
@@ -674,7 +793,7 @@ def _run_features(target, seqs, held, cfg: TrainConfig, work: Path, fast, progre
 def _layer_ids(target, cfg: TrainConfig) -> list[int]:
     from .dflash import default_layer_ids
 
-    return default_layer_ids(target.config.num_hidden_layers, cfg.taps) if cfg.drafter == "dflash" else []
+    return default_layer_ids(target.config.num_hidden_layers, cfg.taps) if cfg.drafter != "mtp" else []
 
 
 def feature_spec(target, name: str, taps: int, max_len: int, sources: str, shard_tokens: int = 1 << 17):
@@ -826,7 +945,7 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
 
     # Drafter and optimizer, from the last checkpoint when resuming.
     mask = choose_mask_token(tokenizer, target.config.vocab_size)
-    trainer = (DFlashTrainer if cfg.drafter == "dflash" else MTPTrainer)(target, cfg, mask, draw.first(8))
+    trainer = TRAINERS[cfg.drafter](target, cfg, mask, draw.first(8))
     opt = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, weight_decay=0.0)
     history, step = [], 0
     if resumed is not None and (work / "state.safetensors").is_file():

@@ -178,7 +178,7 @@ COMPILE_ERRORS = {  # id: (argv before -o, words the message must contain)
     "unknown-backend": (lambda c: [c.model, "--backend", "cuda-magic"], ["--backend", "cuda-magic"]),
     "tensorrt-on-cpu": (lambda c: [c.model, "--backend", "tensorrt", "--device", "cpu"], ["TensorRT", "--device cuda"]),
     "onnx-bfloat16": (lambda c: [c.model, "--backend", "onnx", "--dtype", "bfloat16"], ["onnx", "float32"]),
-    "drafter-dspark": (lambda c: [c.model, "--drafter", "dspark"], ["dspark", "not available"]),
+    "dspark-without-path": (lambda c: [c.model, "--drafter", "dspark"], ["dspark", "--drafter-path"]),
     "mtp-without-path": (lambda c: [c.model, "--drafter", "mtp"], ["mtp", "--drafter-path"]),
     "draft-model-tree-not-chain": (lambda c: [c.model, "--drafter", "draft-model", "--drafter-layers", "1",
                                               "--tree", "topk:2,2"], ["draft-model", "chain:K"]),
@@ -248,14 +248,14 @@ def test_compile_refuses_to_overwrite_other_content(result, kind):
     assert leftovers(out) == []
 
 
-@job("test_train_dspark_is_not_available")
+@job("test_train_refuses_a_bad_dspark_option")
 def _(c: Ctx):
-    return c.tmp / "x", c.specc("train", "--drafter", "dspark", "-o", c.tmp / "x")
+    return c.tmp / "x", c.specc("train", "--drafter", "dspark", "--markov-rank", "0", "-o", c.tmp / "x")
 
 
-def test_train_dspark_is_not_available(result):
+def test_train_refuses_a_bad_dspark_option(result):
     out, proc = result
-    assert_user_error(proc, "dspark", "not available")
+    assert_user_error(proc, "--markov-rank", "at least 1")
     assert not out.exists()
 
 

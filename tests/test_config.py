@@ -16,7 +16,7 @@ from specc.errors import SpeccError
 BAD = {  # field values -> words the one-sentence message must contain
     "no-output": (dict(output_dir=None), ["output directory"]),
     "drafter": (dict(drafter="magic"), ["--drafter", "magic", "ngram"]),
-    "dspark": (dict(drafter="dspark"), ["dspark", "not available"]),
+    "dspark": (dict(drafter="dspark"), ["dspark", "--drafter-path"]),
     "backend": (dict(backend="cuda-magic"), ["--backend", "cuda-magic"]),
     "device": (dict(device="tpu"), ["--device", "tpu"]),
     "dtype": (dict(dtype="float7"), ["float7"]),
@@ -31,7 +31,7 @@ BAD = {  # field values -> words the one-sentence message must contain
     "tree-no-drafter": (dict(tree="chain:3"), ["chain:3", "drafter"]),
     "tree-no-drafts": (dict(drafter="ngram", tree="chain:0"), ["chain:0", "no draft tokens"]),
     "tree-not-chain": (dict(drafter="draft-model", tree="topk:2,2"), ["draft-model", "chain:K"]),
-    "measured-none": (dict(tree="sequoia:4"), ["sequoia:4", "--drafter ngram, mtp or dflash"]),
+    "measured-none": (dict(tree="sequoia:4"), ["sequoia:4", "--drafter ngram, mtp, dflash or dspark"]),
     "mtp-no-path": (dict(drafter="mtp", model="some/model"), ["--drafter mtp needs --drafter-path"]),
 }
 

@@ -12,7 +12,7 @@ import torch
 
 from specc.errors import SpeccError
 from specc.features import Features, FeatureSpec, conversation_sequence, extract
-from specc.train import DFlashTrainer, MTPTrainer, TrainConfig, evaluate, target_loss
+from specc.train import TRAINERS, DFlashTrainer, MTPTrainer, TrainConfig, evaluate, target_loss, total_variation
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +181,28 @@ def test_soft_targets_are_the_top_k_cross_entropy():
     torch.testing.assert_close(target_loss(logits, rec, rows, 0.25), 0.75 * ce + 0.25 * kl)
 
 
-@pytest.mark.parametrize("kind", ["mtp", "dflash"])
+def test_total_variation_against_brute_force():
+    """Over the target's top-k plus one cell for the rest: the distance between the two distributions
+    coarsened to that partition (exact when k covers the vocabulary); without top-k: 1 - p(label)."""
+    g = torch.Generator().manual_seed(0)
+    V, R, k = 12, 5, 4
+    p = torch.randn(R, V, generator=g).softmax(-1)
+    pt = (torch.randn(R, V, generator=g) * 2).softmax(-1)
+    top = pt.topk(k, dim=-1)
+    rec = {"labels": top.indices[:, 0], "topk_ids": top.indices, "topk_logp": top.values.log().half()}
+    rows = torch.arange(R)
+    for r in range(R):
+        cells = [[int(v)] for v in top.indices[r]] + [[v for v in range(V) if v not in top.indices[r]]]
+        want = 0.5 * sum(abs(float(p[r, c].sum() - pt[r, c].sum())) for c in cells)
+        assert float(total_variation(p, rec, rows)[r]) == pytest.approx(want, abs=2e-3)  # fp16 log-probs
+    full = pt.topk(V, dim=-1)
+    exact = {"labels": rec["labels"], "topk_ids": full.indices, "topk_logp": full.values.log()}
+    torch.testing.assert_close(total_variation(p, exact, rows), 0.5 * (p - pt).abs().sum(-1))
+    hard = {"labels": rec["labels"]}
+    torch.testing.assert_close(total_variation(p, hard, rows), 1 - p[rows, rec["labels"]])
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dflash", "dspark"])
 def test_training_memorises_a_few_sequences(smol, tmp_path, kind):
     """Trained and evaluated on the same four sequences (the target's own greedy continuations, as
     regenerated training data is), a correct pipeline memorises them (tau far above 2). Drafts scored
@@ -203,9 +224,8 @@ def test_training_memorises_a_few_sequences(smol, tmp_path, kind):
         r = target_features(model, ids, [j >= len(prompt) - 1 for j in range(len(ids))], spec)
         r["ids"], r["labels"] = r["ids"].long(), r["labels"].long()
         recs.append(r)
-    cfg = TrainConfig(drafter=kind, block_size=4, taps=2, anchors=32, lr=3e-3)
-    tr = (MTPTrainer if kind == "mtp" else DFlashTrainer)(model, cfg, choose_mask_token(tok, model.config.vocab_size),
-                                                          recs)
+    cfg = TrainConfig(drafter=kind, block_size=4, taps=2, anchors=32, lr=3e-3, markov_rank=16)
+    tr = TRAINERS[kind](model, cfg, choose_mask_token(tok, model.config.vocab_size), recs)
     opt = torch.optim.AdamW(tr.parameters(), lr=cfg.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(0)
     before = evaluate(tr, recs)["tau"]
@@ -216,6 +236,10 @@ def test_training_memorises_a_few_sequences(smol, tmp_path, kind):
         opt.step()
     after = evaluate(tr, recs)
     assert after["tau"] > 2.5 > before, (before, after)
+    tr.save(tmp_path / "saved")  # the published format computes what was trained (fc's input scale folded in)
+    again = TRAINERS[kind](model, cfg, choose_mask_token(tok, model.config.vocab_size), recs)
+    again.load(tmp_path / "saved")
+    assert evaluate(again, recs) == after
 
 
 @pytest.mark.parametrize("argv,needle", [(["--tokens", "10", "--sources", "web"], "feature sources"),

@@ -145,8 +145,8 @@ def test_auto_reports_candidates(tmp_path, quick_calibration):
 def test_measured_tree_refusals(tmp_path):
     model = tiny_model("llama", vocab=64, layers=1, seed=2)
     model.save_pretrained(tmp_path / "m")
-    for drafter, tree, words in [("none", "auto", "use it with --drafter ngram, mtp or dflash"),
-                                 ("draft-model", "sequoia:4", "use it with --drafter ngram, mtp or dflash"),
+    for drafter, tree, words in [("none", "auto", "use it with --drafter ngram, mtp, dflash or dspark"),
+                                 ("draft-model", "sequoia:4", "use it with --drafter ngram, mtp, dflash or dspark"),
                                  ("ngram", "sequoia:0", "BUDGET must be a positive integer")]:
         with pytest.raises(SpeccError, match=words):
             specc.compile(tmp_path / "m", drafter=drafter, tree=tree, output_dir=tmp_path / "e", progress=False)

@@ -31,10 +31,10 @@ host) and accepted(committed, n_accepted).
 from __future__ import annotations
 
 from ..errors import SpeccError
-from . import dflash, draft_model, mtp, ngram, none
+from . import dflash, draft_model, dspark, mtp, ngram, none
 
-KINDS = {kind.NAME: kind for kind in (none, ngram, draft_model, mtp, dflash)}
-PLANNED = ("dspark",)  # named in the design, not yet in engines
+KINDS = {kind.NAME: kind for kind in (none, ngram, draft_model, mtp, dflash, dspark)}
+PLANNED = ()  # kinds named in the design, not yet in engines
 
 
 def get_kind(name: str):

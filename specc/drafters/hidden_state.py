@@ -35,7 +35,7 @@ def plans(tree: Tree, chunk: int, cache_len: int, backend: str, sampled: Sampled
 
 def runtime(graphs: dict, tree: Tree, entry: dict, chunk: int, device) -> "HiddenStateDrafter":
     sampled = SampledChildren.from_entry(entry, vocab=0)  # the calling convention needs no vocabulary
-    return HiddenStateDrafter(tree, graphs, chunk, device, sampled)
+    return HiddenStateDrafter(tree, graphs, chunk, device, sampled, entry.get("confidence", False))
 
 
 class HiddenStateDrafter:
@@ -46,15 +46,17 @@ class HiddenStateDrafter:
     padded pieces: `prefill_graph` takes `chunk` rows (a prompt), `step_graph` the tree's size (one
     step's commits). The last call drafts after the last committed token, whose own hidden row does
     not exist yet: every committed token but the last has its row. The drafter's step graph fills
-    the whole tree (top-k candidates per depth, or i.i.d. draws with sampled children)."""
+    the whole tree (top-k candidates per depth, or i.i.d. draws with sampled children). A drafter
+    with a confidence head (DSpark) also rates each draft: `confidence` [T-1] after a proposal."""
 
     needs_rows = True
 
-    def __init__(self, tree: Tree, graphs: dict, chunk: int, device, sampled: SampledChildren | None):
+    def __init__(self, tree: Tree, graphs: dict, chunk: int, device, sampled: SampledChildren | None,
+                 confidence: bool = False):
         self.k = tree.size - 1  # the step graph returns one draft per non-root node
-        self.device, self.graphs, self.sampled = device, graphs, sampled
+        self.device, self.graphs, self.sampled, self.rates = device, graphs, sampled, confidence
         self.chunk, self.step_rows = chunk, tree.size
-        self.q = None
+        self.q = self.confidence = None
 
     def start(self, prompt_ids: list[int], mode: str, temperature, top_p, table=None) -> None:
         """mode: the generation's; temperature, top_p: 0-d tensors on the engine's device; table: the
@@ -62,14 +64,14 @@ class HiddenStateDrafter:
         after the T+1 draws that verify the tree of the step at p (what the fused step reads too)."""
         # Sampled children in a sampling mode: the graphs also take the mode's sampling inputs and
         # return q beside the drafts; the last proposal's q is what the step graph verifies against.
-        self.signature = DraftSignature(self.sampled, mode)
+        self.signature = DraftSignature(self.sampled, mode, self.rates)
         self.n_uniforms = self.signature.sampled.uniforms if self.signature.sampled is not None else 0
         graphs = graphs_for_mode(self.graphs, mode)
         self.prefill_graph, self.step_graph = graphs["draft_prefill"], graphs["draft_step"]
         self.pending: list[torch.Tensor] = []  # rows not yet in the drafter's cache
         self.pending_start = 0  # position of the first pending row
         self.sampling = (temperature, top_p, table)
-        self.q = None
+        self.q = self.confidence = None
 
     def add_rows(self, rows: torch.Tensor, start: int) -> None:
         """rows [n, width]: the hidden rows of committed tokens at positions start..start+n-1."""
@@ -99,7 +101,7 @@ class HiddenStateDrafter:
             m = piece.shape[0]
             if m < R:
                 piece = torch.cat((piece, piece.new_zeros(R - m, piece.shape[1])))
-            drafts, self.q = self._call(graph, piece, m, start + done, R, committed)
+            drafts, self.q, self.confidence = self._call(graph, piece, m, start + done, R, committed)
             done += m
         self.pending = []
         return drafts[: self.k], True

@@ -1,0 +1,80 @@
+"""Drafter kind `dspark`: DFlash's backbone with every block row drafting, a Markov head that ranks
+each node's children under its own token and a confidence head (specc/dspark.py). A tree of depth
+D runs on blocks of D rows unless `--block-size` says. Top-k trees only."""
+from __future__ import annotations
+
+from ..dflash import check_fits
+from ..dspark import DSparkStep, load_dspark, save_dspark
+from ..errors import SpeccError
+from ..shipped import shipped_drafter
+from ..target_module import TargetModule
+from ..tree import Tree
+from . import hidden_state
+
+NAME = "dspark"
+DEFAULT_TREE = "chain:4"
+DRAFTS = FILLS_TREES = MEASURED_TREES = True
+SAMPLED_CHILDREN = False  # a node's children depend on its token: no per-depth q to draw them from
+OPTIONS = frozenset({"drafter_path", "block_size"})
+
+
+def check(cfg) -> None:
+    drafter_path(cfg)
+
+
+def drafter_path(cfg):
+    """--drafter-path, or on the embedded SmolLM2 the drafter shipped with specc."""
+    path = cfg.drafter_path if cfg.drafter_path is not None else shipped_drafter(NAME) if cfg.model is None else None
+    if path is None:
+        raise SpeccError("--drafter dspark needs --drafter-path DIR, a DSpark drafter directory "
+                         "(config.json + safetensors), e.g. one written by `specc train --drafter dspark`.")
+    return path
+
+
+def load(cfg, target_hf):
+    drafter = load_dspark(drafter_path(cfg), cfg.torch_dtype)
+    trained = drafter.config.block_size
+    if cfg.block_size is not None and not 1 <= cfg.block_size <= trained:
+        raise SpeccError(f"--block-size {cfg.block_size} is out of range: this DSpark drafter was trained on blocks "
+                         f"of {trained} and runs on blocks of 1 to {trained}.")
+    check_fits(drafter.config, target_hf.config)
+    return drafter
+
+
+def calibration_depth(cfg, drafter) -> int:
+    return cfg.block_size or drafter.config.block_size
+
+
+def entry(cfg, drafter, tree: Tree) -> dict:
+    c = drafter.config
+    block = cfg.block_size if cfg.block_size is not None else min(c.block_size, max(1, tree.max_depth))
+    if tree.max_depth > block:
+        raise SpeccError(f"--tree {cfg.tree_spec} is {tree.max_depth} drafts deep, but the DSpark drafter's block of "
+                         f"{block} gives {block}.")
+    return {"kind": NAME, "block_size": block, "trained_block_size": c.block_size, "num_layers": c.num_layers,
+            "target_layer_ids": c.target_layer_ids, "mask_token_id": c.mask_token_id,
+            "markov_rank": drafter.markov_rank, "children": "topk", "confidence": True}
+
+
+def save(drafter, folder, target_hf) -> None:
+    save_dspark(drafter, folder)
+
+
+def load_saved(folder, entry: dict, target_hf, dtype):
+    return load_dspark(folder, dtype)
+
+
+def taps(entry: dict, num_layers: int) -> tuple[int, ...]:
+    return tuple(entry["target_layer_ids"])
+
+
+def module(drafter, target: TargetModule, entry: dict, tree: Tree, cache_len: int) -> DSparkStep:
+    return DSparkStep(drafter, target.embed_tokens, target.w_head, cache_len, entry["block_size"], tree)
+
+
+def plans(tree: Tree, chunk: int, cache_len: int, backend: str, sampled, modes) -> list:
+    return hidden_state.plans(tree, chunk, cache_len, backend, None, modes)
+
+
+def runtime(graphs: dict, tree: Tree, entry: dict, chunk: int, device):
+    return hidden_state.runtime(graphs, tree, entry, chunk, device)
