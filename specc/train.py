@@ -339,27 +339,31 @@ class DFlashTrainer:
         return self.drafter.config.target_layer_ids
 
     def _logits(self, rec, anchors, block=None, lengths=None, head=True):
-        """(logits [nb, B-1, V], label positions [nb, B-1], valid [nb, B-1]). Block row k of anchor a
-        predicts token a+k, whose label is the target's argmax at a+k-1; it counts where that position
-        is scored and, for k >= 2, where the text from a+1 on followed the target's greedy path (the
-        only context a chain of drafts reaches). head=False: hidden states [nb, B-1, H] for logits."""
-        from .dflash import draft_logits
+        """(logits [nb, D, V], label positions [nb, D], valid [nb, D]) of the D drafting rows of each
+        block: row k of anchor a predicts token a+k (DFlash; rows 1..B-1) or a+k+1 (DSpark, FIRST_ROW 0:
+        rows 0..B-1), whose label is the target's argmax one position earlier; a row counts where that
+        position is scored and, past the first draft, where the text from a+1 on followed the target's
+        greedy path (the only context a chain of drafts reaches). head=False: hidden states [nb, D, H]."""
+        from .dflash import block_hidden
 
         ids = rec["ids"].long()
-        logits = draft_logits(self.drafter, self.embed, self.head if head else None, rec["taps"].float() * self.scale,
-                              ids, anchors, block, lengths)
-        B, N = block or self.cfg.block_size, len(ids)
-        pos = anchors.view(-1, 1) + torch.arange(B - 1)  # the label position of each row
+        hidden = block_hidden(self.drafter, self.embed, rec["taps"].float() * self.scale, ids, anchors, block,
+                              lengths)[:, self.FIRST_ROW:]
+        D, N = hidden.shape[1], len(ids)
+        pos = anchors.view(-1, 1) + torch.arange(D)  # the label position of each row
         inside = pos < N
         pos = torch.where(inside, pos, N - 1)
         on_path = torch.ones_like(inside)
-        if B > 2:  # tokens a+1 .. a+k-1 equal the labels at a .. a+k-2
+        if D > 1:  # the tokens before a row's own, from a+1 on, equal the labels one position earlier
             follows = torch.cat([ids[1:] == rec["labels"][:-1].long(), torch.zeros(1, dtype=torch.bool)])
             on_path[:, 1:] = follows[pos[:, :-1]].cumprod(dim=1).bool()
         valid = inside & rec["loss"][pos] & on_path
-        return logits, pos, valid
+        return (F.linear(hidden, self.head) if head else hidden), pos, valid
 
-    def loss(self, rec, gen):
+    FIRST_ROW = 1  # the first block row that drafts (DSpark: 0)
+
+    def _blocks(self, rec, gen):
+        """Random anchors among the scored positions, each with a run-time block length; None if none."""
         lo, N = _first_scored(rec), len(rec["ids"])
         cand = lo + rec["loss"][lo:].nonzero().view(-1) if lo < N else torch.zeros(0, dtype=torch.long)
         if len(cand) == 0:
@@ -367,47 +371,69 @@ class DFlashTrainer:
         anchors = cand[torch.randperm(len(cand), generator=gen)[: self.cfg.anchors]].sort().values
         # Each block is as long as one of the run-time block sizes, so one drafter serves them all.
         sizes = torch.tensor(run_blocks(self.cfg.block_size))
-        lengths = sizes[torch.randint(len(sizes), (len(anchors),), generator=gen)]
+        return anchors, sizes[torch.randint(len(sizes), (len(anchors),), generator=gen)]
+
+    def loss(self, rec, gen):
+        blocks = self._blocks(rec, gen)
+        if blocks is None:
+            return None
+        anchors, lengths = blocks
         hidden, pos, valid = self._logits(rec, anchors, lengths=lengths, head=False)
-        w = self.weights.view(1, -1) * valid * (torch.arange(1, self.cfg.block_size) < lengths.view(-1, 1))
+        drafting = torch.arange(self.FIRST_ROW, self.cfg.block_size) < lengths.view(-1, 1)
+        w = self.weights.view(1, -1) * valid * drafting
         rows = w.reshape(-1).nonzero().view(-1)  # the LM head (most of the compute) on counted rows only
         if len(rows) == 0:
             return None
         h, pos = hidden.reshape(-1, hidden.shape[-1])[rows], pos.reshape(-1)[rows]
-        per_row = target_loss(F.linear(h, self.head), rec, pos, self.cfg.soft)
+        per_row = self._row_loss(h, rec, pos)
         if self.cfg.regress:
             per_row = per_row + self.cfg.regress * hidden_loss(h, rec, pos)
         return (per_row * w.reshape(-1)[rows]).sum() / w.sum()
+
+    def _row_loss(self, h, rec, pos):
+        return target_loss(F.linear(h, self.head), rec, pos, self.cfg.soft)
+
+    def _draft_logits(self, rec, anchors, block):
+        """(logits [nb, drafts, V], label positions [nb, drafts]) of blocks of `block` rows."""
+        logits, pos, _ = self._logits(rec, anchors, block)
+        return logits, pos
 
     @torch.no_grad()
     def accepted(self, rec, block=None):
         """Per anchor with a full block (of `block` rows, default the trained size) inside the scored
         part of the sequence: drafts matching the target, as a chain."""
         B, N = block or self.cfg.block_size, len(rec["ids"])
-        lo, hi = _first_scored(rec), N - B + 1
+        drafts = B - self.FIRST_ROW
+        lo, hi = _first_scored(rec), N - drafts
         if hi <= lo:
-            return torch.zeros(0, B - 1, dtype=torch.bool)
+            return torch.zeros(0, drafts, dtype=torch.bool)
         anchors = torch.arange(lo, hi)
         anchors = anchors[torch.linspace(0, len(anchors) - 1, min(64, len(anchors))).long()]
-        logits, pos, _ = self._logits(rec, anchors, block)
+        logits, pos = self._draft_logits(rec, anchors, block)
         return logits.argmax(-1) == rec["labels"][pos].long()
 
     def save(self, path: Path) -> None:
         import copy
 
-        from .dflash import save_dflash
-
         folded = copy.deepcopy(self.drafter)
         with torch.no_grad():
             folded.fc.weight.mul_(self.scale)
-        save_dflash(folded, path)
+        self._write(folded, path)
 
     def load(self, path: Path) -> None:
-        from .dflash import load_dflash
-
-        self.drafter.load_state_dict(load_dflash(path).state_dict())
+        self.drafter.load_state_dict(self._read(path).state_dict())
         with torch.no_grad():
             self.drafter.fc.weight.div_(self.scale)
+
+    def _write(self, drafter, path: Path) -> None:
+        from .dflash import save_dflash
+
+        save_dflash(drafter, path)
+
+    def _read(self, path: Path):
+        from .dflash import load_dflash
+
+        return load_dflash(path)
 
     def parameters(self):
         return self.drafter.parameters()
@@ -427,6 +453,7 @@ class DSparkTrainer(DFlashTrainer):
     row's label, which on the greedy path (the only rows counted past the first) is the previous draft."""
 
     CE, TV, CONF = 0.1, 0.9, 1.0
+    FIRST_ROW = 0
 
     def __init__(self, model, cfg: TrainConfig, mask_token_id: int, recs=()):
         from .dflash import dflash_config_for, position_weights
@@ -439,83 +466,33 @@ class DSparkTrainer(DFlashTrainer):
         self.drafter.load_state_dict(dense, strict=False)  # the backbone as DFlash's trainer set it up
         self.weights = position_weights(cfg.block_size + 1)  # B drafts weighted like DFlash's B+1 block
 
-    def _logits(self, rec, anchors, block=None, lengths=None, head=True):
-        """(backbone hidden states [nb, B, H], label positions [nb, B], valid [nb, B]): row k of anchor
-        a predicts token a+k+1, whose label is the target's argmax at a+k; it counts where that position
-        is scored and, for k >= 1, where tokens a+1..a+k followed the target's greedy path."""
-        from .dflash import block_hidden
-
-        ids = rec["ids"].long()
-        hidden = block_hidden(self.drafter, self.embed, rec["taps"].float() * self.scale, ids, anchors, block, lengths)
-        B, N = block or self.cfg.block_size, len(ids)
-        pos = anchors.view(-1, 1) + torch.arange(B)
-        inside = pos < N
-        pos = torch.where(inside, pos, N - 1)
-        on_path = torch.ones_like(inside)
-        if B > 1:
-            follows = torch.cat([ids[1:] == rec["labels"][:-1].long(), torch.zeros(1, dtype=torch.bool)])
-            on_path[:, 1:] = follows[pos[:, :-1]].cumprod(dim=1).bool()
-        return hidden, pos, inside & rec["loss"][pos] & on_path
-
     def _heads(self, h, rec, pos):
         """(draft logits [R, V], confidence logits [R]) of rows h [R, H] whose labels sit at `pos`."""
         return self.drafter.heads(F.linear(h, self.head), h, rec["ids"][pos].long())
 
-    def loss(self, rec, gen):
-        lo, N = _first_scored(rec), len(rec["ids"])
-        cand = lo + rec["loss"][lo:].nonzero().view(-1) if lo < N else torch.zeros(0, dtype=torch.long)
-        if len(cand) == 0:
-            return None
-        anchors = cand[torch.randperm(len(cand), generator=gen)[: self.cfg.anchors]].sort().values
-        sizes = torch.tensor(run_blocks(self.cfg.block_size))
-        lengths = sizes[torch.randint(len(sizes), (len(anchors),), generator=gen)]
-        hidden, pos, valid = self._logits(rec, anchors, lengths=lengths)
-        w = self.weights.view(1, -1) * valid * (torch.arange(self.cfg.block_size) < lengths.view(-1, 1))
-        rows = w.reshape(-1).nonzero().view(-1)
-        if len(rows) == 0:
-            return None
-        h, pos = hidden.reshape(-1, hidden.shape[-1])[rows], pos.reshape(-1)[rows]
+    def _row_loss(self, h, rec, pos):
         logits, conf = self._heads(h, rec, pos)
         logp = logits.float().log_softmax(-1)
         ce = -logp.gather(-1, rec["labels"][pos].long().unsqueeze(-1)).squeeze(-1)
         tv = total_variation(logp.exp(), rec, pos)
         conf_loss = F.binary_cross_entropy_with_logits(conf.float(), (1 - tv).detach().clamp(0, 1), reduction="none")
-        per_row = self.CE * ce + self.TV * tv + self.CONF * conf_loss
-        if self.cfg.regress:
-            per_row = per_row + self.cfg.regress * hidden_loss(h, rec, pos)
-        return (per_row * w.reshape(-1)[rows]).sum() / w.sum()
+        return self.CE * ce + self.TV * tv + self.CONF * conf_loss
 
-    @torch.no_grad()
-    def accepted(self, rec, block=None):
-        """Per anchor with a full block inside the scored part: drafts matching the target, as a chain
-        (B drafts from a block of B; the Markov head reads the text's tokens, which on regenerated
-        held-out text are the drafts a chain reaches)."""
-        B, N = block or self.cfg.block_size, len(rec["ids"])
-        lo, hi = _first_scored(rec), N - B
-        if hi <= lo:
-            return torch.zeros(0, B, dtype=torch.bool)
-        anchors = torch.arange(lo, hi)
-        anchors = anchors[torch.linspace(0, len(anchors) - 1, min(64, len(anchors))).long()]
-        hidden, pos, _ = self._logits(rec, anchors, block)
+    def _draft_logits(self, rec, anchors, block):
+        # The Markov head reads the text's tokens: on regenerated held-out text, the drafts a chain reaches.
+        hidden, pos, _ = self._logits(rec, anchors, block, head=False)
         logits, _ = self._heads(hidden.reshape(-1, hidden.shape[-1]), rec, pos.reshape(-1))
-        return (logits.argmax(-1) == rec["labels"][pos.reshape(-1)].long()).view(pos.shape)
+        return logits.view(*pos.shape, -1), pos
 
-    def save(self, path: Path) -> None:
-        import copy
-
+    def _write(self, drafter, path: Path) -> None:
         from .dspark import save_dspark
 
-        folded = copy.deepcopy(self.drafter)
-        with torch.no_grad():
-            folded.fc.weight.mul_(self.scale)
-        save_dspark(folded, path)
+        save_dspark(drafter, path)
 
-    def load(self, path: Path) -> None:
+    def _read(self, path: Path):
         from .dspark import load_dspark
 
-        self.drafter.load_state_dict(load_dspark(path).state_dict())
-        with torch.no_grad():
-            self.drafter.fc.weight.div_(self.scale)
+        return load_dspark(path)
 
 
 def total_variation(p, rec: dict, rows: torch.Tensor) -> torch.Tensor:

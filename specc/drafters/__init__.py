@@ -34,7 +34,6 @@ from ..errors import SpeccError
 from . import dflash, draft_model, dspark, mtp, ngram, none
 
 KINDS = {kind.NAME: kind for kind in (none, ngram, draft_model, mtp, dflash, dspark)}
-PLANNED = ()  # kinds named in the design, not yet in engines
 
 
 def get_kind(name: str):
@@ -42,9 +41,6 @@ def get_kind(name: str):
     if name in KINDS:
         return KINDS[name]
     usable = ", ".join(KINDS)
-    if name in PLANNED:
-        raise SpeccError(f"the {name} drafter is not available in engines in this version of specc; "
-                         f"use --drafter {usable}.")
     raise SpeccError(f"--drafter {name!r} is unknown; use one of {usable}.")
 
 
