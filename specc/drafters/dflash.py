@@ -6,7 +6,6 @@ from __future__ import annotations
 from ..dflash import DFlashStep, check_fits, load_dflash, save_dflash
 from ..draft_tokens import draft_slots
 from ..errors import SpeccError
-from ..shipped import shipped_drafter
 from ..target_module import TargetModule
 from ..tree import Tree
 from . import hidden_state
@@ -22,12 +21,8 @@ def check(cfg) -> None:
 
 
 def drafter_path(cfg):
-    """--drafter-path, or on the embedded SmolLM2 the drafter shipped with specc."""
-    path = cfg.drafter_path if cfg.drafter_path is not None else shipped_drafter(NAME) if cfg.model is None else None
-    if path is None:
-        raise SpeccError("--drafter dflash needs --drafter-path DIR, a DFlash drafter directory "
-                         "(config.json + safetensors), e.g. one written by `specc train`.")
-    return path
+    return hidden_state.drafter_path(cfg, NAME, "a DFlash drafter directory (config.json + safetensors)"
+                                     ", e.g. one written by `specc train`")
 
 
 def load(cfg, target_hf):

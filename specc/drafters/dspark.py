@@ -6,7 +6,6 @@ from __future__ import annotations
 from ..dflash import check_fits
 from ..dspark import DSparkStep, load_dspark, save_dspark
 from ..errors import SpeccError
-from ..shipped import shipped_drafter
 from ..target_module import TargetModule
 from ..tree import Tree
 from . import hidden_state
@@ -23,12 +22,8 @@ def check(cfg) -> None:
 
 
 def drafter_path(cfg):
-    """--drafter-path, or on the embedded SmolLM2 the drafter shipped with specc."""
-    path = cfg.drafter_path if cfg.drafter_path is not None else shipped_drafter(NAME) if cfg.model is None else None
-    if path is None:
-        raise SpeccError("--drafter dspark needs --drafter-path DIR, a DSpark drafter directory "
-                         "(config.json + safetensors), e.g. one written by `specc train --drafter dspark`.")
-    return path
+    return hidden_state.drafter_path(cfg, NAME, "a DSpark drafter directory (config.json + safetensors)"
+                                     ", e.g. one written by `specc train --drafter dspark`")
 
 
 def load(cfg, target_hf):

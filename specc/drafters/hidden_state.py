@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import SpeccError
 from ..plans import GraphPlan, start, uniform_table
 from ..pipeline import Pipeline
+from ..shipped import shipped_drafter
 from ..signature import DraftSignature, SampledChildren, graph_name, graphs_for_mode
 from ..tree import Tree
+
+
+def drafter_path(cfg, kind: str, wanted: str):
+    """--drafter-path, or on the embedded SmolLM2 the drafter of this kind shipped with specc (if any);
+    `wanted` says what the path must hold, for the message when there is neither."""
+    path = cfg.drafter_path if cfg.drafter_path is not None else shipped_drafter(kind) if cfg.model is None else None
+    if path is None:
+        raise SpeccError(f"--drafter {kind} needs --drafter-path DIR, {wanted}.")
+    return path
 
 
 def sampled_entry(children: str, q_rows: int, width: int) -> dict:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from ..draft_tokens import draft_slots
 from ..errors import SpeccError
 from ..mtp import MTPStep, check_engine_heads, load_mtp, save_deepseek_v3
-from ..shipped import shipped_drafter
 from ..target_module import TargetModule
 from ..tree import Tree
 from . import hidden_state
@@ -22,12 +21,8 @@ def check(cfg) -> None:
 
 
 def drafter_path(cfg):
-    """--drafter-path, or on the embedded SmolLM2 the drafter shipped with specc."""
-    path = cfg.drafter_path if cfg.drafter_path is not None else shipped_drafter(NAME) if cfg.model is None else None
-    if path is None:
-        raise SpeccError("--drafter mtp needs --drafter-path DIR, an MTP checkpoint in the DeepSeek-V3 or "
-                         "Qwen3-Next layout, e.g. one written by `specc train --drafter mtp`.")
-    return path
+    return hidden_state.drafter_path(cfg, NAME, "an MTP checkpoint in the DeepSeek-V3 or Qwen3-Next layout"
+                                     ", e.g. one written by `specc train --drafter mtp`")
 
 
 def load(cfg, target_hf):
