@@ -1,6 +1,6 @@
 """Pass `fuse_step`: verify + accept + KV compaction + the drafter's update and next draft, one graph.
 
-Unfused, a step of a hidden-state drafter (DFlash, MTP) is two graph calls with the host in
+Unfused, a step of a hidden-state drafter (DFlash, DSpark, MTP) is two graph calls with the host in
 between: the target's step graph returns the accepted path and the taps of every tree node; the
 host gathers the accepted rows and calls the drafter's step graph, which caches them and drafts
 the next tree. Fused, that gather and the drafter run inside the step graph, so a decode step is

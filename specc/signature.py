@@ -6,10 +6,10 @@ graphs (`accept`, `fuse_step`) export them with `example_inputs()`, and the runt
 with `args(...)` and reads their outputs with `unpack(...)`.
 
 `DraftSignature`: the step graphs of the drafters that read the target's hidden states (DFlash,
-MTP): committed rows in, drafts for the next tree out. One layout for both kinds: row i holds
-the hidden features of the committed token at position ctx_start + i and is paired with
-next_tokens[i], the token at position ctx_start + i + 1 (MTP mixes it into row i; DFlash reads
-next_tokens[n_ctx - 1], the block's anchor).
+DSpark, MTP): committed rows in, drafts for the next tree out (and DSpark's confidences). One
+layout for all: row i holds the hidden features of the committed token at position ctx_start + i
+and is paired with next_tokens[i], the token at position ctx_start + i + 1 (MTP mixes it into row
+i; DFlash and DSpark read next_tokens[n_ctx - 1], the block's anchor).
 
 Modes: an engine holds one graph per sampling mode (`MODES`), chosen when a generation starts, so
 no graph branches on a run-time value. A greedy graph takes no temperature, top-p or random

@@ -1,5 +1,5 @@
-"""What the drafter kinds that read the target's hidden states (DFlash, MTP) share: their graphs
-and their side of the host loop. Both follow DraftSignature (specc/signature.py)."""
+"""What the drafter kinds that read the target's hidden states (DFlash, DSpark, MTP) share: their graphs
+and their side of the host loop. All follow DraftSignature (specc/signature.py)."""
 from __future__ import annotations
 
 import torch
@@ -50,7 +50,7 @@ def runtime(graphs: dict, tree: Tree, entry: dict, chunk: int, device) -> "Hidde
 
 
 class HiddenStateDrafter:
-    """The runtime side of drafters conditioned on the target's hidden states (DFlash, MTP).
+    """The runtime side of drafters conditioned on the target's hidden states (DFlash, DSpark, MTP).
 
     The target's step graph returns the hidden rows the drafter needs (its taps) for the committed
     tokens; they wait here until the next proposal flushes them through the drafter's graphs in
