@@ -251,7 +251,7 @@ def add_compile(sub) -> None:
                         "SmolLM2 default to the drafters shipped with specc")
     c.add_argument("--block-size", type=int, default=None,
                    help="dflash, dspark: run on blocks of this size (at most the trained one; default: the shortest "
-                        "that reaches the tree's depth)")
+                        "length training used (4, 8, 16, ..., the trained size) that reaches the tree's depth)")
     c.add_argument("--drafter-layers", type=int, default=None,
                    help="draft-model: use the first N layers (of the target when no --drafter-path)")
     c.add_argument("--tree", default=None, help="chain:K | topk:DEPTH,WIDTH | sequoia:BUDGET | auto | FILE.json")

@@ -292,6 +292,19 @@ def draft_logits(drafter: DFlashDrafter, embed: nn.Module, lm_head_weight, taps,
     return h if lm_head_weight is None else F.linear(h, lm_head_weight)
 
 
+def trained_blocks(block_size: int) -> list[int]:
+    """The block lengths `specc train` trains a drafter of `block_size` rows on (each training block
+    takes one of them): 4, 8, 16, ... below it, and itself. Rows attend to each other both ways, so a
+    row's output depends on its block's length: an engine runs one of these lengths."""
+    return sorted({b for b in (4, 8, 16, 32, 64) if b < block_size} | {block_size})
+
+
+def run_block(block_size: int, rows: int) -> int:
+    """The block length an engine runs for `rows` drafting rows: the shortest trained length that has
+    them (trained_blocks), or the trained size."""
+    return min([b for b in trained_blocks(block_size) if b >= rows] or [block_size])
+
+
 def position_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
     """Loss weight of block position k = 1..B-1: exp(-(k-1)/gamma); gamma 7/5/4 for B = 16/10/8."""
     if gamma is None:
@@ -359,23 +372,25 @@ def load_strictly(drafter: nn.Module, weights: dict, path, what: str, dtype) -> 
     return drafter.to(dtype).eval().requires_grad_(False)
 
 
-def check_fits(cfg: DFlashConfig, target_config) -> None:
-    """Refuse a drafter whose hidden size, target layers or vocabulary do not fit the target."""
+def check_fits(cfg: DFlashConfig, target_config, what: str = "DFlash", least_block: int = 2) -> None:
+    """Refuse a drafter whose hidden size, target layers or vocabulary do not fit the target (`what`:
+    the kind, for messages; `least_block`: the shortest block that drafts a token)."""
     n = target_config.num_hidden_layers
     if cfg.hidden_size != target_config.hidden_size:
-        raise SpeccError(f"the DFlash drafter's hidden size ({cfg.hidden_size}) differs from the target's "
+        raise SpeccError(f"the {what} drafter's hidden size ({cfg.hidden_size}) differs from the target's "
                          f"({target_config.hidden_size}); it was trained for another model.")
     if cfg.vocab_size != target_config.vocab_size:
-        raise SpeccError(f"the DFlash drafter's vocabulary ({cfg.vocab_size}) differs from the target's "
+        raise SpeccError(f"the {what} drafter's vocabulary ({cfg.vocab_size}) differs from the target's "
                          f"({target_config.vocab_size}); it was trained for another model.")
     if cfg.num_target_layers != n or any(not 0 <= i < n for i in cfg.target_layer_ids):
-        raise SpeccError(f"the DFlash drafter taps target layers {cfg.target_layer_ids} of a "
+        raise SpeccError(f"the {what} drafter taps target layers {cfg.target_layer_ids} of a "
                          f"{cfg.num_target_layers}-layer model, but the target has {n} layers.")
     if not 0 <= cfg.mask_token_id < target_config.vocab_size:
-        raise SpeccError(f"the DFlash MASK token {cfg.mask_token_id} is outside the target's vocabulary "
+        raise SpeccError(f"the {what} MASK token {cfg.mask_token_id} is outside the target's vocabulary "
                          f"of {target_config.vocab_size}.")
-    if cfg.block_size < 2:
-        raise SpeccError(f"the DFlash block size {cfg.block_size} leaves no draft tokens; it must be at least 2.")
+    if cfg.block_size < least_block:
+        raise SpeccError(f"the {what} block size {cfg.block_size} leaves no draft tokens; it must be at least "
+                         f"{least_block}.")
 
 
 # ------------------------------------------------------------------------- step module

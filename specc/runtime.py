@@ -235,7 +235,7 @@ class Engine:
         sig = run.signatures[0]
         res = sig.unpack(run.graphs["plain"](*sig.args(self._root(run), run.base_dev, run.temperature, run.top_p,
                                                        run.table)))
-        run.next_tokens = None
+        run.next_tokens = run.next_confidence = None
         return self._advance(run, res), 1
 
     def _speculative_step(self, run: "Run"):

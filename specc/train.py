@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from .dflash import trained_blocks
 from .errors import SpeccError
 from .features import atomic_write as _atomic
 from .features import normalised as _norm
@@ -96,8 +97,8 @@ class TrainConfig:
         if self.features and self.eval_prompts > HELD_OUT_RESERVE:
             raise SpeccError(f"--eval-prompts may be at most {HELD_OUT_RESERVE} with --features (the conversations "
                              f"kept out of every feature extraction).")
-        if self.block_size < 2:
-            raise SpeccError("--block-size must be at least 2 (one draft token).")
+        if self.block_size < (1 if self.drafter == "dspark" else 2):
+            raise SpeccError(f"--block-size must be at least {1 if self.drafter == 'dspark' else 2} (one draft token).")
 
 
 HELD_OUT_RESERVE = 64  # the first ShareGPT prompts: held out of every feature extraction
@@ -370,7 +371,7 @@ class DFlashTrainer:
             return None
         anchors = cand[torch.randperm(len(cand), generator=gen)[: self.cfg.anchors]].sort().values
         # Each block is as long as one of the run-time block sizes, so one drafter serves them all.
-        sizes = torch.tensor(run_blocks(self.cfg.block_size))
+        sizes = torch.tensor(trained_blocks(self.cfg.block_size))
         return anchors, sizes[torch.randint(len(sizes), (len(anchors),), generator=gen)]
 
     def loss(self, rec, gen):
@@ -479,9 +480,13 @@ class DSparkTrainer(DFlashTrainer):
         return self.CE * ce + self.TV * tv + self.CONF * conf_loss
 
     def _draft_logits(self, rec, anchors, block):
-        # The Markov head reads the text's tokens: on regenerated held-out text, the drafts a chain reaches.
+        # A chain's Markov input past the anchor is the previous draft; while the chain is accepted that
+        # is the target's label one position earlier (training reads the text's token instead: the same
+        # on the rows it counts, which follow the greedy path).
         hidden, pos, _ = self._logits(rec, anchors, block, head=False)
-        logits, _ = self._heads(hidden.reshape(-1, hidden.shape[-1]), rec, pos.reshape(-1))
+        prev = torch.cat((rec["ids"][pos[:, :1]], rec["labels"][pos[:, :-1]]), dim=1).long()
+        h = hidden.reshape(-1, hidden.shape[-1])
+        logits, _ = self.drafter.heads(F.linear(h, self.head), h, prev.reshape(-1))
         return logits.view(*pos.shape, -1), pos
 
     def _write(self, drafter, path: Path) -> None:
@@ -629,12 +634,6 @@ def _load_state(opt, trainer, path: Path) -> int:
     return int(t["step"])
 
 
-def run_blocks(block_size: int) -> list[int]:
-    """The run-time DFlash block sizes a drafter trained on blocks of `block_size` is trained and
-    evaluated for: 4, 8, 16, ... up to it, and itself."""
-    return sorted({b for b in (4, 8, 16, 32, 64) if b < block_size} | {block_size})
-
-
 def evaluate(trainer, recs) -> dict:
     """Held-out greedy acceptance. `tau`: a chain of every draft of the trained block (DFlash) or depth
     (MTP); `tau_chain{k}`: its first k drafts; `tau_block{b}` (DFlash): blocks run at size b."""
@@ -646,7 +645,7 @@ def evaluate(trainer, recs) -> dict:
         if k < D:
             out[f"tau_chain{k}"] = round(tau_of(acc, k), 4)
     if isinstance(trainer, DFlashTrainer):
-        for b in run_blocks(trainer.cfg.block_size)[:-1]:
+        for b in trained_blocks(trainer.cfg.block_size)[:-1]:
             short = torch.cat([trainer.accepted(r, b) for r in recs])
             out[f"tau_block{b}"] = round(tau_of(short), 4)
     return out

@@ -97,7 +97,9 @@ def test_checkpoint_round_trip_and_refusals(tmp_path):
 def test_dspark_engine_drafts_the_teacher_forced_forward(tmp_path, tree):
     """Greedy output equals the target's, fused and unfused; every tree the drafter's graph drafts
     equals the oracle over a teacher-forced forward of the committed tokens (context rows, positions,
-    anchor, and the anchor row drafting); the graphs return a confidence per draft in (0, 1)."""
+    anchor, and the anchor row drafting), confidences included; the fused step returns the
+    confidences the drafter's graph gives for the same trees. The block is the trained length (4)
+    even where the tree is shallower."""
     from specc.dflash import block_hidden
     from specc.tree import parse_tree
 
@@ -106,33 +108,75 @@ def test_dspark_engine_drafts_the_teacher_forced_forward(tmp_path, tree):
     dpath, d = random_dspark(model, tmp_path / "ds", block=4)
     path = specc.compile(tmp_path / "m", drafter="dspark", drafter_path=dpath, tree=tree, backend="eager",
                          output_dir=tmp_path / "e", max_len=64, prefill_chunk=8, progress=False, modes="greedy")
-    manifest = json.loads((path / "specc.json").read_text())
-    assert manifest["drafter"]["block_size"] == (4 if tree == "chain:4" else 2)
+    assert json.loads((path / "specc.json").read_text())["drafter"]["block_size"] == 4
     engine = specc.load(path)
     t = parse_tree(tree)
-    for fused in (False, True):
-        engine.use_fused = fused
+    propose = type(engine.drafter).propose.__get__(engine.drafter)
+    fused_step = type(engine)._fused_step.__get__(engine)
+    rated = {False: [], True: []}  # per generation step: the confidences of the tree drafted for the next one
+
+    def proposing(committed):
+        out = propose(committed)
+        seen.append((list(committed), out[0].tolist(), engine.drafter.confidence.tolist()))
+        return out
+
+    def fused(run):
+        out = fused_step(run)
+        rated[True].append(run.next_confidence.tolist())
+        return out
+
+    engine.drafter.propose, engine._fused_step = proposing, fused
+    for use_fused in (False, True):
+        engine.use_fused = use_fused
         seen = []
-        engine.drafter.propose = record(type(engine.drafter).propose.__get__(engine.drafter), seen)
-        steps = 0
-        for prompt in (PROMPT, PROMPT[:3]):
-            res = engine.generate(prompt, max_new_tokens=20, stop_at_eos=False)
-            assert res.token_ids == hf_greedy(model, prompt, 20)
-            steps += res.stats.steps
-        conf = engine.drafter.confidence
-        assert conf is not None and conf.shape == (t.size - 1,) and bool(((conf > 0) & (conf < 1)).all())
-        if fused:
+        res = engine.generate(PROMPT, max_new_tokens=20, stop_at_eos=False)
+        assert res.token_ids == hf_greedy(model, PROMPT, 20)
+        rated[use_fused] = [c for _, _, c in seen] + (rated[True] if use_fused else [])
+        if use_fused:
+            assert len(seen) == 1  # the first tree; the fused step drafts the rest
             continue
         assert len(seen) >= 10
         with torch.no_grad():
-            for committed, (drafts, _) in seen:
+            for committed, drafts, conf in seen:
                 hs = model(torch.tensor([committed]), output_hidden_states=True).hidden_states
                 taps = torch.cat([hs[i + 1][0] for i in d.config.target_layer_ids], dim=-1)
                 h = block_hidden(d, model.model.embed_tokens, taps, torch.tensor(committed),
-                                 torch.tensor([len(committed) - 1]), manifest["drafter"]["block_size"])[0]
-                h = h[: t.max_depth]
-                ref, _ = markov_drafts_reference(d, h @ model.lm_head.weight.T, h, committed[-1], t)
+                                 torch.tensor([len(committed) - 1]), 4)[0][: t.max_depth]
+                ref, ref_conf = markov_drafts_reference(d, h @ model.lm_head.weight.T, h, committed[-1], t)
                 assert drafts == ref
+                assert conf == pytest.approx(ref_conf, abs=1e-5) and all(0 < c < 1 for c in conf)
+    n = len(rated[False])
+    assert n >= 10 and torch.allclose(torch.tensor(rated[True][:n]), torch.tensor(rated[False]), atol=1e-5)
+
+
+def test_training_forward_is_the_engine_chain(tmp_path):
+    """The trainer's evaluation forward (the held-out tau) drafts what the engine's chain drafts:
+    over text where the drafts were accepted (the committed tokens followed by the engine's drafts,
+    labelled as the target's choices), its argmax per block row equals the engine's drafts."""
+    from specc.train import DSparkTrainer, TrainConfig
+
+    model = tiny_model("llama", vocab=64, layers=3, seed=2)
+    model.save_pretrained(tmp_path / "m")
+    dpath, d = random_dspark(model, tmp_path / "ds", block=4)
+    engine = specc.load(specc.compile(tmp_path / "m", drafter="dspark", drafter_path=dpath, tree="chain:4",
+                                      backend="eager", output_dir=tmp_path / "e", max_len=64, prefill_chunk=8,
+                                      progress=False, modes="greedy"))
+    engine.use_fused = False
+    seen = []
+    engine.drafter.propose = record(type(engine.drafter).propose.__get__(engine.drafter), seen)
+    engine.generate(PROMPT, max_new_tokens=12, stop_at_eos=False)
+    trainer = DSparkTrainer(model, TrainConfig(drafter="dspark", block_size=4, taps=2, markov_rank=8), 3)
+    trainer.drafter.load_state_dict(d.state_dict())
+    for committed, (drafts, _) in seen[:6]:
+        ids = torch.tensor(committed + drafts)
+        with torch.no_grad():
+            hs = model(ids[None], output_hidden_states=True).hidden_states
+        taps = torch.cat([hs[i + 1][0] for i in d.config.target_layer_ids], dim=-1)
+        labels = torch.cat((ids[1:], ids[:1]))  # as if the target had chosen every draft
+        rec = {"ids": ids, "labels": labels, "taps": taps, "loss": torch.ones(len(ids), dtype=torch.bool)}
+        with torch.no_grad():
+            logits, _ = trainer._draft_logits(rec, torch.tensor([len(committed) - 1]), 4)
+        assert logits[0].argmax(-1).tolist() == drafts
 
 
 def test_dspark_refusals(tmp_path):
@@ -155,13 +199,13 @@ def test_sequoia_tree_for_dspark(tmp_path, monkeypatch):
     tree; greedy output still equals the target's."""
     import specc.calibrate as cal
 
-    monkeypatch.setattr(cal, "PROMPTS", 3)
-    monkeypatch.setattr(cal, "NEW_TOKENS", 24)
+    monkeypatch.setattr(cal, "PROMPTS", 2)
+    monkeypatch.setattr(cal, "NEW_TOKENS", 12)
     model = tiny_model("llama", vocab=64, layers=2, seed=2)
     model.save_pretrained(tmp_path / "m")
     dpath, _ = random_dspark(model, tmp_path / "ds", block=3)
     path = specc.compile(tmp_path / "m", drafter="dspark", drafter_path=dpath, tree="sequoia:5",
-                         output_dir=tmp_path / "e", max_len=96, prefill_chunk=8, progress=False, modes="greedy")
+                         output_dir=tmp_path / "e", max_len=64, prefill_chunk=8, progress=False, modes="greedy")
     tree = json.loads((path / "specc.json").read_text())["tree"]
     assert tree["spec"] == "sequoia:5" and len(tree["paths"]) <= 5 and len(tree["acceptance"]) == 3
     engine = specc.load(path)

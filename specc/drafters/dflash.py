@@ -1,9 +1,10 @@
 """Drafter kind `dflash`: a block-diffusion drafter over the target's hidden states of a few
-layers (specc/dflash.py: model and published format). A tree of depth D runs on blocks of D + 1
-(the shortest that reaches it: drafting cost grows with the block) unless `--block-size` says."""
+layers (specc/dflash.py: model and published format). A tree of depth D runs on the shortest block
+length the drafter was trained on that has D + 1 rows (drafting cost grows with the block; the
+rows' outputs depend on its length) unless `--block-size` says."""
 from __future__ import annotations
 
-from ..dflash import DFlashStep, check_fits, load_dflash, save_dflash
+from ..dflash import DFlashStep, check_fits, load_dflash, run_block, save_dflash
 from ..draft_tokens import draft_slots
 from ..errors import SpeccError
 from ..target_module import TargetModule
@@ -42,7 +43,7 @@ def calibration_depth(cfg, drafter) -> int:
 
 def entry(cfg, drafter, tree: Tree) -> dict:
     c = drafter.config
-    block = cfg.block_size if cfg.block_size is not None else min(c.block_size, max(2, tree.max_depth + 1))
+    block = cfg.block_size if cfg.block_size is not None else run_block(c.block_size, tree.max_depth + 1)
     if tree.max_depth + 1 > block:
         raise SpeccError(f"--tree {cfg.tree_spec} is {tree.max_depth} drafts deep, but the DFlash drafter's block of "
                          f"{block} gives {block - 1}.")

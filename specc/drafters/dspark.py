@@ -1,9 +1,10 @@
 """Drafter kind `dspark`: DFlash's backbone with every block row drafting, a Markov head that ranks
 each node's children under its own token and a confidence head (specc/dspark.py). A tree of depth
-D runs on blocks of D rows unless `--block-size` says. Top-k trees only."""
+D runs on the shortest block length the drafter was trained on that has D rows, unless
+`--block-size` says. Top-k trees only."""
 from __future__ import annotations
 
-from ..dflash import check_fits
+from ..dflash import check_fits, run_block
 from ..dspark import DSparkStep, load_dspark, save_dspark
 from ..errors import SpeccError
 from ..target_module import TargetModule
@@ -32,7 +33,7 @@ def load(cfg, target_hf):
     if cfg.block_size is not None and not 1 <= cfg.block_size <= trained:
         raise SpeccError(f"--block-size {cfg.block_size} is out of range: this DSpark drafter was trained on blocks "
                          f"of {trained} and runs on blocks of 1 to {trained}.")
-    check_fits(drafter.config, target_hf.config)
+    check_fits(drafter.config, target_hf.config, "DSpark", least_block=1)
     return drafter
 
 
@@ -42,7 +43,7 @@ def calibration_depth(cfg, drafter) -> int:
 
 def entry(cfg, drafter, tree: Tree) -> dict:
     c = drafter.config
-    block = cfg.block_size if cfg.block_size is not None else min(c.block_size, max(1, tree.max_depth))
+    block = cfg.block_size if cfg.block_size is not None else run_block(c.block_size, tree.max_depth)
     if tree.max_depth > block:
         raise SpeccError(f"--tree {cfg.tree_spec} is {tree.max_depth} drafts deep, but the DSpark drafter's block of "
                          f"{block} gives {block}.")
