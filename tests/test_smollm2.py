@@ -90,8 +90,8 @@ def check_engine(path, reference, speculative: bool, prompts=range(len(PROMPTS))
 
 # Inductor on a branching tree on three prompts (plain decoding through its plain graph on one). The
 # draft model runs eager on one: its graphs go through Inductor on a tiny model (test_engine.py). Every
-# 30-layer Inductor graph and every prompt costs minutes of this suite (all five prompts through every
-# engine kind: examples/bench_backends.py and the benches, which compare tokens with plain decoding).
+# 30-layer Inductor graph and every prompt costs minutes of this suite (the benches run more prompts
+# and compare their tokens with plain decoding).
 @pytest.mark.parametrize("backend,drafter,tree,prompts,plain", [("inductor", "ngram", "topk:3,2", (0, 2, 4), (2,)),
                                                                 ("eager", "draft-model", "chain:3", (1,), (1,))])
 def test_greedy_identical_to_hf(reference, tmp_path, backend, drafter, tree, prompts, plain):
