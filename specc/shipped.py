@@ -1,7 +1,8 @@
 """Drafters trained by `specc train` for the embedded SmolLM2-135M-Instruct and shipped with specc.
 
-Each directory under specc/assets holds the drafter in its published format and `training.json`
-(the exact command, the configuration and the held-out evaluation at the end of training).
+Each directory under specc/assets holds the drafter in its published format, `training.json`
+(the exact command, the configuration, the held-out evaluation at the end of training and, for runs
+shipped since the curves were kept, every evaluation along the way) and `curve.png` when the run drew one.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 from pathlib import Path
 
 ASSETS = Path(__file__).parent / "assets"
-SHIPPED = {"dflash": "smollm2-135m-dflash", "mtp": "smollm2-135m-mtp"}
+SHIPPED = {"dflash": "smollm2-135m-dflash", "mtp": "smollm2-135m-mtp", "dspark": "smollm2-135m-dspark"}
 
 
 def shipped_drafter(kind: str) -> Path | None:
@@ -58,6 +59,12 @@ def ship(run_dir, kind: str, dtype: str = "float32", command: str | None = None)
                    if not k.endswith(("shared_head.head.weight", "embed_tokens.weight"))}
         save_file(tensors, str(dest / f.name))
     shutil.copy(run_dir / "config.json", dest / "config.json")
+    progress, curve = run_dir / "train" / "progress.json", run_dir / "train" / "curve.png"
+    if progress.is_file():  # the measured curve: what more steps would buy
+        summary["curve"] = [{"step": h["step"], "tau": h["eval"]["tau"]}
+                            for h in json.loads(progress.read_text())["history"] if "eval" in h]
+    if curve.is_file():
+        shutil.copy(curve, dest / "curve.png")
     summary["shipped_dtype"] = dtype
     (dest / "training.json").write_text(json.dumps(summary, indent=1))
     return dest
@@ -67,5 +74,5 @@ if __name__ == "__main__":
     import sys
 
     if len(sys.argv) not in (3, 4) or sys.argv[2] not in SHIPPED:
-        raise SystemExit("usage: python -m specc.shipped RUN_DIR dflash|mtp [float32|bfloat16]")
+        raise SystemExit(f"usage: python -m specc.shipped RUN_DIR {'|'.join(SHIPPED)} [float32|bfloat16]")
     print(ship(*sys.argv[1:]))

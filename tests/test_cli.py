@@ -1,10 +1,11 @@
 """The `specc` command, run as a real subprocess on tiny random models with the eager backend.
 
-Each CLI call pays ~2 s of imports (more to compile or load an engine), and the tests mostly
-wait on subprocesses, so every test's CLI work is declared up front as a *job* keyed by the
-test's name. A session fixture starts the jobs of the selected tests on a small thread pool at
+Each CLI call pays seconds of imports (torch, transformers; more to compile or load an engine),
+and the tests mostly wait on subprocesses, so every test's CLI work is declared up front as a *job*
+keyed by the test's name. A session fixture starts the jobs of the selected tests on a small thread pool at
 once (the engines first, compiled once and shared); each test then checks its job's result.
-Run one test alone (`-k`) and only its jobs, and the engines they need, run.
+Run one test alone (`-k`) and only its jobs, and the engines they need, run. Most refusals of bad
+compile options run `main()` in the test's own process instead (the same code after the imports).
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ class Ctx:
     model80: Path  # tiny llama, vocab 80
     root: Path
     futures: dict
-    cli: Callable  # conftest's specc_cli
+    cli: Callable  # conftest's specc_cli (a subprocess), or specc_main (this process)
     key: str = ""
 
     @property
@@ -203,21 +204,60 @@ COMPILE_ERRORS = {  # id: (argv before -o, words the message must contain)
 }
 
 
+# As real subprocesses: a plain refusal, one from the argument parser, and two that load models first.
+# The other cases go through the same `main()` in this process: each subprocess pays seconds of
+# imports (torch, transformers), and what differs between the cases is only the check that refuses.
+SUBPROCESS_CASES = ("missing-model", "max-len-not-int", "mtp-hidden-mismatch", "drafter-vocab-mismatch")
+
+
 def _compile_error_job(argv):
     return lambda c: (c.tmp / "out", c.specc("compile", *argv(c), "-o", c.tmp / "out"))
 
 
-for _id, (_argv, _) in COMPILE_ERRORS.items():
-    job(f"test_compile_bad_input[{_id}]", slow=_id in ("drafter-vocab-mismatch", "mtp-two-modules",
-                                                        "mtp-hidden-mismatch"))(_compile_error_job(_argv))
+for _id in SUBPROCESS_CASES:
+    job(f"test_compile_bad_input[{_id}]", slow=_id != "missing-model")(_compile_error_job(COMPILE_ERRORS[_id][0]))
 
 
-@pytest.mark.parametrize("case", list(COMPILE_ERRORS))
-def test_compile_bad_input(result, case):
-    out, proc = result
+def check_compile_refusal(case: str, out: Path, proc) -> None:
     assert_user_error(proc, *COMPILE_ERRORS[case][1])
     assert not out.exists()
     assert leftovers(out) == []
+
+
+@pytest.mark.parametrize("case", SUBPROCESS_CASES)
+def test_compile_bad_input(result, case):
+    check_compile_refusal(case, *result)
+
+
+@dataclass
+class Finished:
+    """What a CompletedProcess tells (exit code, stdout, stderr), from `main()` run in this process."""
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def specc_main(*args, cwd=None) -> Finished:
+    """`specc ARGS` through `specc.cli.main` in this process, its output captured (the test's thread only)."""
+    import contextlib
+    import io
+
+    from specc.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's own exits (--help)
+            code = e.code
+    return Finished(code, out.getvalue(), err.getvalue())
+
+
+@pytest.mark.parametrize("case", [c for c in COMPILE_ERRORS if c not in SUBPROCESS_CASES])
+def test_compile_bad_input_in_process(case, tiny_model_dir, tiny_model_dir_vocab80, tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECC_DEBUG", raising=False)  # errors as users see them
+    c = Ctx(tiny_model_dir, tiny_model_dir_vocab80, tmp_path, {}, specc_main, case)
+    check_compile_refusal(case, *_compile_error_job(COMPILE_ERRORS[case][0])(c))
 
 
 def _refuse_overwrite_job(kind):

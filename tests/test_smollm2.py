@@ -115,18 +115,20 @@ def test_shipped_drafters_greedy_identical_to_hf(reference, tmp_path, drafter, p
 
 
 def test_onnx_greedy_identical_to_hf(reference, tmp_path):
-    """The onnx backend (functional graphs run by onnxruntime): ngram chain:4 and plain decoding through
-    the same engine give HF's tokens, and every graph passes the TensorRT lint. (All five prompts, and
-    MTP and DFlash engines through onnx, were checked the same way once, 5/5 each; more 30-layer
-    exports would add minutes to this suite.)"""
+    """The onnx backend (functional graphs run by onnxruntime) on the real weights: plain decoding gives
+    HF's tokens, and every graph passes the TensorRT lint. A plain engine (prefill and plain graphs)
+    because each 30-layer ONNX export costs about a minute of this suite: the speculative step graphs
+    are compared with eager token for token on tiny models (test_onnx.py), and ngram chain:4, MTP and
+    DFlash engines through onnx were checked on all five prompts once (5/5 each), and
+    examples/bench_backends.py compares every backend's tokens, plain and speculative, each time it runs."""
     pytest.importorskip("onnxruntime")
     from specc.trt_lint import lint_engine
 
-    path = specc.compile(None, drafter="ngram", tree="chain:4", backend="onnx", output_dir=tmp_path / "engine",
-                         max_len=512, progress=False, modes="greedy")
+    path = specc.compile(None, backend="onnx", output_dir=tmp_path / "engine", max_len=512, progress=False,
+                         modes="greedy")
     manifest = json.loads((path / "specc.json").read_text())
     assert [str(f) for f in lint_engine(path, manifest) if f.severity == "error"] == []
-    check_engine(path, reference(), True, prompts=(0, 2), plain=(0,))
+    check_engine(path, reference(), False, prompts=(0, 2))
 
 
 if __name__ == "__main__":  # record the HF references (minutes): python tests/test_smollm2.py

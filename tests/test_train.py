@@ -215,12 +215,18 @@ def test_ship_copies_a_run_into_the_assets(tmp_path, monkeypatch):
     (run / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
     (run / "training.json").write_text(json.dumps({"config": {"drafter": "dflash"}, "command": "specc train"}))
     save_file({"fc.weight": torch.randn(4, 6), "ids": torch.arange(3)}, str(run / "model.safetensors"))
+    (run / "train").mkdir()
+    (run / "train" / "progress.json").write_text(json.dumps({"history": [
+        {"step": 0, "eval": {"tau": 1.0}}, {"step": 5, "loss": 2.0}, {"step": 10, "loss": 1.5, "eval": {"tau": 1.2}}]}))
+    (run / "train" / "curve.png").write_bytes(b"\x89PNG")
     assert shipped.shipped_drafter("dflash") is None
     dest = shipped.ship(run, "dflash", "bfloat16")
     assert shipped.shipped_drafter("dflash") == dest
     w = load_file(str(dest / "model.safetensors"))
     assert w["fc.weight"].dtype == torch.bfloat16 and w["ids"].dtype == torch.int64
     assert shipped.training_summary(dest)["shipped_dtype"] == "bfloat16"
+    assert shipped.training_summary(dest)["curve"] == [{"step": 0, "tau": 1.0}, {"step": 10, "tau": 1.2}]
+    assert (dest / "curve.png").read_bytes() == b"\x89PNG"
     with pytest.raises(SystemExit, match="not mtp"):
         shipped.ship(run, "mtp")
 
