@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from specc.acceptance import accept as accept_tree
-from specc.pipeline import capture
+from specc.pipeline import Uncaptured
 from specc.signature import SampledChildren, StepSignature
 from specc.tree import Tree
 
@@ -35,8 +35,8 @@ class Accept(nn.Module):
         return self.signature.outputs(n, path, out, base_len, taps)
 
 
-def accept(ep: torch.export.ExportedProgram, tree: Tree, sampled: SampledChildren | None = None,
-           mode: str = "greedy", table: tuple[int, int] | None = None) -> torch.export.ExportedProgram:
+def accept(prev: Uncaptured, tree: Tree, sampled: SampledChildren | None = None, mode: str = "greedy",
+           table: tuple[int, int] | None = None) -> Uncaptured:
     """Invariant: the program has the StepSignature of `tree` (unfused): outputs are (report [2D+3],
     next base_len [], root [1], *taps): the report packs n_accepted, the accepted draft nodes from
     the root and the accepted tokens followed by the bonus token (the root of the next call),
@@ -45,5 +45,5 @@ def accept(ep: torch.export.ExportedProgram, tree: Tree, sampled: SampledChildre
     table `table` (rows, cols). The logits never leave the graph. With `sampled` children a sampling graph takes
     draft_q [q_rows, vocab] too: row d is the distribution the children at depth d+1 were drawn
     from, and sampling uses the min(1, p/q) rule with residuals."""
-    module = Accept(ep.module(), tree, sampled, mode, table)
-    return capture(module, module.signature.example_inputs())
+    module = Accept(prev.module, tree, sampled, mode, table)
+    return Uncaptured(module, module.signature.example_inputs())

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import specc.kernels  # noqa: F401  (registers torch.ops.specc.compact_kv_)
-from specc.pipeline import example_inputs, capture
+from specc.pipeline import Uncaptured
 from specc.signature import split_report
 from specc.tree import Tree
 
@@ -27,10 +27,10 @@ class CompactKV(nn.Module):
         return (report, *outputs)
 
 
-def compact_kv(ep: torch.export.ExportedProgram, tree: Tree) -> torch.export.ExportedProgram:
+def compact_kv(prev: Uncaptured, tree: Tree) -> Uncaptured:
     """Invariant: after the step, slots base_len .. base_len + n_accepted hold the K/V of the root
     and the accepted nodes in path order, so the committed prefix is contiguous. For a chain the
     accepted path is already in place and the program is returned unchanged."""
     if tree.is_chain:
-        return ep
-    return capture(CompactKV(ep.module()), example_inputs(ep))
+        return prev
+    return Uncaptured(CompactKV(prev.module), prev.args)

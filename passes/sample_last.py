@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specc.pipeline import example_inputs, capture
+from specc.pipeline import Uncaptured
 from specc.acceptance import accept
 from specc.signature import parse_sampling, sampling_inputs
 
@@ -27,15 +27,14 @@ class SampleLast(nn.Module):
         return (out[0], *taps)
 
 
-def sample_last(ep: torch.export.ExportedProgram, mode: str = "greedy",
-                table: tuple[int, int] = (1, 2)) -> torch.export.ExportedProgram:
+def sample_last(prev: Uncaptured, mode: str = "greedy", table: tuple[int, int] = (1, 2)) -> Uncaptured:
     """Invariant: inputs are (tokens [C], base_len [], n_valid [], then the mode's sampling inputs
     with the generation's uniforms table `table` (rows, cols)); the output is the next token after
     row n_valid - 1, drawn by the same rule as a decode step of the mode (argmax when greedy) with
     the first two draws of the table's row base_len + n_valid - 1 (the plain step whose root is the
     chunk's last token would read the same). Rows past n_valid are padding whose cache writes land
     beyond the committed length and are overwritten later."""
-    tokens, base_len = example_inputs(ep)
+    tokens, base_len = prev.args
     args = (tokens, base_len, torch.tensor(1),
             *sampling_inputs(mode, torch.tensor(1.0), torch.tensor(0.5), torch.zeros(table)))
-    return capture(SampleLast(ep.module()), args)
+    return Uncaptured(SampleLast(prev.module), args)

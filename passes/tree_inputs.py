@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from specc.target_module import additive_mask
-from specc.pipeline import capture
+from specc.pipeline import Uncaptured
 from specc.tree import Tree
 
 
@@ -31,10 +31,10 @@ class TreeInputs(nn.Module):
         return self.inner(tokens.view(1, T), positions, slots, mask)
 
 
-def tree_inputs(ep: torch.export.ExportedProgram, tree: Tree, cache_len: int) -> torch.export.ExportedProgram:
+def tree_inputs(prev: Uncaptured, tree: Tree, cache_len: int) -> Uncaptured:
     """Invariant: inputs are (tokens [T], base_len []); node i sits at position base_len + depth(i),
     writes its K/V to slot base_len + i, and attends to every slot < base_len plus its ancestors and
     itself. A prefill chunk is the chain tree, so the same pass serves prefill and decode.
     The caller guarantees base_len + T <= cache_len."""
-    module = TreeInputs(ep.module(), tree, cache_len)
-    return capture(module, (torch.zeros(tree.size, dtype=torch.int64), torch.tensor(0)))
+    return Uncaptured(TreeInputs(prev.module, tree, cache_len),
+                      (torch.zeros(tree.size, dtype=torch.int64), torch.tensor(0)))

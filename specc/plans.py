@@ -55,10 +55,10 @@ def start(backend: str) -> Pipeline:
 def prefill_plans(name: str, module: str, chunk: int, cache_len: int, backend: str, modes,
                   table: tuple[int, int] = (1, 2)) -> list[GraphPlan]:
     """A static chunk of prompt tokens -> the next token, one graph per mode over one shared capture."""
-    base = GraphPlan(name, module, chunk, start(backend).add("tree_inputs",
-                                                              lambda ep: tree_inputs(ep, chain(chunk - 1), cache_len)))
+    base = GraphPlan(name, module, chunk, start(backend).wrap("tree_inputs",
+                                                               lambda p: tree_inputs(p, chain(chunk - 1), cache_len)))
     return [GraphPlan(graph_name(name, m), module, chunk,
-                      Pipeline().add("sample_last", partial(sample_last, mode=m, table=table)), mode=m, base=base)
+                      Pipeline().wrap("sample_last", partial(sample_last, mode=m, table=table)), mode=m, base=base)
             for m in modes]
 
 
@@ -68,10 +68,10 @@ def decode_plans(name: str, module: str, tree: Tree, cache_len: int, backend: st
     mode's acceptance and KV compaction."""
     # tree_attention: the specc op runs SDPA itself on CPU and the Triton kernel on CUDA.
     base = GraphPlan(name, module, tree.size, start(backend).add("tree_attention", tree_attention)
-                     .add("tree_inputs", lambda ep: tree_inputs(ep, tree, cache_len)))
+                     .wrap("tree_inputs", lambda p: tree_inputs(p, tree, cache_len)))
     return [GraphPlan(graph_name(name, m), module, tree.size,
-                      Pipeline().add("accept", partial(accept, tree=tree, sampled=sampled, mode=m, table=table))
-                      .add("compact_kv", lambda ep: compact_kv(ep, tree)), mode=m, base=base) for m in modes]
+                      Pipeline().wrap("accept", partial(accept, tree=tree, sampled=sampled, mode=m, table=table))
+                      .wrap("compact_kv", lambda p: compact_kv(p, tree)), mode=m, base=base) for m in modes]
 
 
 def graph_plans(kind, tree: Tree, chunk: int, cache_len: int, backend: str = "eager",
@@ -91,7 +91,7 @@ def uniform_table(cache_len: int, tree: Tree, sampled: SampledChildren | None) -
 
 
 def build_program(plan: GraphPlan, modules: dict[str, nn.Module], built: dict, tree: Tree,
-                  dump_dir: Path | None = None):
+                  dump_dir: Path | None = None, keep_uncaptured: bool = False):
     """Capture the plan's module (`modules[plan.module]`, which knows its own example inputs) and run
     the plan's passes; a plan with a base starts from the base's program (built once, kept in
     `built` under ("base", name)); a fused plan instead joins two programs already `built`."""
@@ -101,8 +101,8 @@ def build_program(plan: GraphPlan, modules: dict[str, nn.Module], built: dict, t
                        plan.table)
     elif plan.base is not None:
         key, base_dump = ("base", plan.base.name), Path(dump_dir) / ".base" if dump_dir else None
-        if key not in built:
-            built[key] = build_program(plan.base, modules, built, tree, base_dump)
+        if key not in built:  # left uncaptured when it ends in wrapping passes: each mode captures once
+            built[key] = build_program(plan.base, modules, built, tree, base_dump, keep_uncaptured=True)
         if dump_dir is not None:  # each graph's dump holds every pass that made it, the shared ones too
             for f in sorted(base_dump.glob(f"{plan.base.name}.*.txt")):
                 shutil.copyfile(f, Path(dump_dir) / f"{plan.name}{f.name[len(plan.base.name):]}")
@@ -111,4 +111,4 @@ def build_program(plan: GraphPlan, modules: dict[str, nn.Module], built: dict, t
         module = modules[plan.module]
         ep = capture(module, module.example_inputs(plan.T) if plan.mode is None else
                      module.example_inputs(plan.T, plan.mode))
-    return plan.pipeline.run(ep, dump_dir=dump_dir, label=plan.name)
+    return plan.pipeline.run(ep, dump_dir=dump_dir, label=plan.name, keep_uncaptured=keep_uncaptured)

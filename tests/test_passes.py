@@ -21,7 +21,7 @@ from specc.signature import MODES, mode_of, sampling_inputs, split_report  # noq
 from specc.passes.compact_kv import compact_kv  # noqa: E402
 from specc.passes.matvec import matvec  # noqa: E402
 from specc.passes.tree_inputs import TreeInputs, tree_inputs  # noqa: E402
-from specc.pipeline import Pipeline  # noqa: E402
+from specc.pipeline import Pipeline, uncaptured  # noqa: E402
 from specc.tree import chain, topk, tree_from_paths  # noqa: E402
 from specc.acceptance import reference_accept_greedy, reference_accept_sample  # noqa: E402
 
@@ -136,7 +136,7 @@ def test_tree_inputs_positions_slots_mask(name):
 def test_tree_inputs_logits_match_hf_on_each_path(model, name):
     tree = TREES[name]
     tm = TargetModule(model, S)
-    ep = build(tm, tree.size, Pipeline().add("tree_inputs", lambda ep: tree_inputs(ep, tree, S)))
+    ep = build(tm, tree.size, Pipeline().wrap("tree_inputs", lambda p: tree_inputs(p, tree, S)))
     assert not any(c.any() for c in caches(tm))  # capture and the passes do not write the cache
     prefill(tm, PROMPT)
     prefix_cache = [c[:, :, :P].clone() for c in caches(tm)]
@@ -262,8 +262,8 @@ def test_compact_kv_is_identity_on_chains(model):
     tm = TargetModule(model, S)
     for k in (0, 3):
         t = chain(k)
-        ep = build(tm, t.size, Pipeline().add("tree_inputs", lambda ep, t=t: tree_inputs(ep, t, S)))
-        assert compact_kv(ep, t) is ep
+        prev = uncaptured(build(tm, t.size, Pipeline().wrap("tree_inputs", lambda p, t=t: tree_inputs(p, t, S))))
+        assert compact_kv(prev, t) is prev
 
 
 # --------------------------------------------------------------------------- sample_last
@@ -381,3 +381,38 @@ def test_pipeline_run_order_and_labels(model, tmp_path):
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["x.00-capture.txt", "x.01-a.txt", "x.02-b.txt"]
     assert all((tmp_path / "d" / f).stat().st_size > 0 for f in ("x.00-capture.txt", "x.01-a.txt", "x.02-b.txt"))
     assert pipe.run(ep) is ep  # no dump_dir: nothing written, still runs
+
+
+def test_wrapping_passes_are_captured_once_together(model, monkeypatch):
+    """Consecutive wrapping passes cost one capture (before the next graph pass, or at the end), and
+    the program equals the one captured after every pass: same outputs and cache writes."""
+    import specc.pipeline as pipeline
+
+    tree = TREES["topk2x2"]
+    plan = next(p for p in graph_plans(get_kind("ngram"), tree, 8, S) if p.name == "step_top_p")
+    tm = TargetModule(model, S)
+    count = []
+    real_capture = pipeline.capture
+    monkeypatch.setattr(pipeline, "capture", lambda *a: count.append(1) or real_capture(*a))
+    lazy = build_program(plan, {"target": tm}, {}, tree)
+    # graph_plans' step: capture, tree_attention | tree_inputs, accept, compact_kv: captured at the end
+    assert len(count) == 1  # (build_program's first capture goes through plans.capture: not counted)
+    every = Pipeline()
+    for name, fn, wraps in plan.base.pipeline.passes + plan.pipeline.passes:
+        every = every.wrap(name, fn).add(f"{name} captured", lambda ep: ep) if wraps else every.add(name, fn)
+    count.clear()
+    eager_each = build(tm, tree.size, every)
+    assert len(count) == 3  # one capture after each wrapping pass
+    prefill(tm, PROMPT)
+    start = [c.clone() for c in caches(tm)]
+    outs = {}
+    for name, ep in (("lazy", lazy), ("every", eager_each)):
+        for c, s0 in zip(caches(tm), start):
+            c.copy_(s0)
+        graph = EagerGraph(ep, module_state(tm))
+        table = torch.rand(S, tree.size + 1, generator=torch.Generator().manual_seed(0))
+        tokens = torch.tensor(rand_tokens(tree.size, 3))
+        out = graph(tokens, torch.tensor(P), *sampling_inputs("top_p", torch.tensor(0.9), torch.tensor(0.8), table))
+        outs[name] = ([o.clone() for o in out], [c.clone() for c in caches(tm)])
+    for a, b in zip(outs["lazy"][0] + outs["lazy"][1], outs["every"][0] + outs["every"][1]):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
