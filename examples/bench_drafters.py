@@ -1,15 +1,16 @@
 """Regenerate the trained-drafter figures of BENCHMARKS.md on this machine, side by side in one run.
 
-DFlash (at several run-time block sizes and chain lengths) and MTP (at several chain lengths) on the
-embedded SmolLM2, on HumanEval and MT-Bench prompts (greedy, a fixed number of new tokens, chat
+DFlash (at several run-time block sizes and chain lengths), DSpark and MTP (at several chain lengths,
+or any tree) on the embedded SmolLM2, on HumanEval and MT-Bench prompts (greedy, a fixed number of new tokens, chat
 template on), each against plain decoding through the same engine and against HF generate(). Also
 prints each drafter's held-out tau from its training run, for comparison with the tau measured here.
 
 Usage: python examples/bench_drafters.py [--configs dflash@4=chain:3,dflash=sequoia:8,mtp=chain:1]
-           [--dflash DIR] [--mtp DIR] [--limit 5] [--max-new-tokens 256] [--write BENCHMARKS.md] [--json]
-Config items: dflash[@BLOCK]=TREE or mtp=TREE, TREE as for `specc compile --tree` (the DFlash block
-defaults to the tree's depth + 1). Without --dflash / --mtp, the drafters shipped with specc for
-SmolLM2 are used. Prints the run; writes it (under History, newest first, Current figures
+           [--dflash DIR] [--dspark DIR] [--mtp DIR] [--limit 5] [--max-new-tokens 256] [--write BENCHMARKS.md]
+           [--json]
+Config items: dflash[@BLOCK]=TREE, dspark[@BLOCK]=TREE or mtp=TREE, TREE as for `specc compile --tree`
+(the block defaults to the drafter's trained block). Without --dflash / --dspark / --mtp, the
+drafters shipped with specc for SmolLM2 are used. Prints the run; writes it (under History, newest first, Current figures
 regenerated) only with --write.
 """
 import argparse
@@ -23,11 +24,11 @@ from specc.shipped import shipped_drafter, training_summary
 
 
 def parse_config(item: str):
-    """KIND[@BLOCK]=TREE, e.g. dflash@4=chain:3, dflash=sequoia:8, mtp=chain:1."""
+    """KIND[@BLOCK]=TREE, e.g. dflash@4=chain:3, dflash=sequoia:8, dspark=topk:3,2, mtp=chain:1."""
     head, eq, tree = item.partition("=")
     kind, at, block = head.partition("@")
-    if kind not in ("dflash", "mtp") or not eq or not tree or (at and not block.isdigit()) or (at and kind != "dflash"):
-        raise SystemExit(f"config {item!r}: use dflash[@BLOCK]=TREE or mtp=TREE (TREE as for --tree)")
+    if kind not in ("dflash", "dspark", "mtp") or not eq or not tree or (at and not block.isdigit()) or (at and kind == "mtp"):
+        raise SystemExit(f"config {item!r}: use dflash[@BLOCK]=TREE, dspark[@BLOCK]=TREE or mtp=TREE (TREE as for --tree)")
     return kind, int(block) if at else None, tree
 
 
@@ -35,6 +36,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     benchfile.add_arguments(ap, limit=5, max_new_tokens=256)
     ap.add_argument("--dflash", help="a DFlash drafter for SmolLM2 (default: the shipped one)")
+    ap.add_argument("--dspark", help="a DSpark drafter for SmolLM2 (default: the shipped one)")
     ap.add_argument("--mtp", help="MTP heads for SmolLM2 (default: the shipped ones)")
     ap.add_argument("--configs", default="dflash@4=chain:3,dflash@8=chain:7,dflash@16=chain:15,"
                                          "mtp=chain:1,mtp=chain:2,mtp=chain:3,mtp=chain:4")
@@ -43,7 +45,7 @@ def main() -> int:
     a = ap.parse_args()
     cmd = benchfile.command_line()
     configs = [parse_config(c) for c in a.configs.split(",")]
-    paths = {"dflash": a.dflash, "mtp": a.mtp}
+    paths = {"dflash": a.dflash, "dspark": a.dspark, "mtp": a.mtp}
 
     engines = []
     for kind, block, tree in configs:
