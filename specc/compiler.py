@@ -79,6 +79,7 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
     weights = kind.load(cfg, target.model)
     tree, report = cfg.parsed_tree, None
     if cfg.measured_tree:
+        cfg = replace(cfg, **kind.calibration_options(cfg, weights))
         tree, report, picked = measure_tree(cfg, kind.calibration_depth(cfg, weights))
         if picked is not None:  # auto compiled the winner on this backend already: keep that engine
             return install_picked(picked, out, cfg.tree_spec, report)

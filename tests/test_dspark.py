@@ -196,17 +196,20 @@ def test_dspark_refusals(tmp_path):
 
 def test_sequoia_tree_for_dspark(tmp_path, monkeypatch):
     """sequoia:BUDGET measures a DSpark drafter's ranked candidates on a comb and compiles the DP's
-    tree; greedy output still equals the target's."""
+    tree, run at the block length the comb was measured at; greedy output still equals the target's."""
     import specc.calibrate as cal
 
     monkeypatch.setattr(cal, "PROMPTS", 2)
     monkeypatch.setattr(cal, "NEW_TOKENS", 12)
     model = tiny_model("llama", vocab=64, layers=2, seed=2)
     model.save_pretrained(tmp_path / "m")
-    dpath, _ = random_dspark(model, tmp_path / "ds", block=3)
+    dpath, _ = random_dspark(model, tmp_path / "ds", block=5)  # trained lengths 4 and 5
     path = specc.compile(tmp_path / "m", drafter="dspark", drafter_path=dpath, tree="sequoia:5",
                          output_dir=tmp_path / "e", max_len=64, prefill_chunk=8, progress=False, modes="greedy")
-    tree = json.loads((path / "specc.json").read_text())["tree"]
-    assert tree["spec"] == "sequoia:5" and len(tree["paths"]) <= 5 and len(tree["acceptance"]) == 3
+    manifest = json.loads((path / "specc.json").read_text())
+    tree = manifest["tree"]
+    assert tree["spec"] == "sequoia:5" and len(tree["paths"]) <= 5 and len(tree["acceptance"]) == 4  # budget - 1
+    # the block its comb was measured at, however shallow the tree (rows depend on the block's length)
+    assert manifest["drafter"]["block_size"] == 5
     engine = specc.load(path)
     assert engine.generate(PROMPT, max_new_tokens=20, stop_at_eos=False).token_ids == hf_greedy(model, PROMPT, 20)

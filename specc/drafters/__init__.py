@@ -14,6 +14,8 @@ Functions (cfg: CompileConfig; target_hf: the Hugging Face target; weights: what
     check(cfg)                                     refusals that need no model (before any slow work)
     load(cfg, target_hf) -> weights                the drafter for a compile (refuses one that does not fit)
     calibration_depth(cfg, weights) -> int         the deepest comb a measured tree may use
+    calibration_options(cfg, weights) -> dict      CompileConfig fields that a measured tree's engines
+                                                   keep as the comb had them (a block drafter's block)
     entry(cfg, weights, tree) -> dict              its manifest entry ("kind" and what load_saved needs)
     save(weights, folder, target_hf)               its files in the engine (folder: ENGINE/draft)
     load_saved(folder, entry, target_hf, dtype) -> weights

@@ -1,7 +1,8 @@
 """Drafter kind `dflash`: a block-diffusion drafter over the target's hidden states of a few
 layers (specc/dflash.py: model and published format). A tree of depth D runs on the shortest block
 length the drafter was trained on that has D + 1 rows (drafting cost grows with the block; the
-rows' outputs depend on its length) unless `--block-size` says."""
+rows' outputs depend on its length) unless `--block-size` says; a measured tree runs at the length
+its comb was measured at."""
 from __future__ import annotations
 
 from ..dflash import DFlashStep, check_fits, load_dflash, run_block, save_dflash
@@ -39,6 +40,12 @@ def load(cfg, target_hf):
 
 def calibration_depth(cfg, drafter) -> int:
     return (cfg.block_size or drafter.config.block_size) - 1
+
+
+def calibration_options(cfg, drafter) -> dict:
+    # Rows attend both ways inside a block, so their drafts depend on its length: a measured tree
+    # runs at the block length its comb was measured at, not the shortest one it fits in.
+    return {"block_size": cfg.block_size or drafter.config.block_size}
 
 
 def entry(cfg, drafter, tree: Tree) -> dict:

@@ -1,7 +1,7 @@
 """Drafter kind `dspark`: DFlash's backbone with every block row drafting, a Markov head that ranks
 each node's children under its own token and a confidence head (specc/dspark.py). A tree of depth
 D runs on the shortest block length the drafter was trained on that has D rows, unless
-`--block-size` says. Top-k trees only."""
+`--block-size` says; a measured tree runs at the length its comb was measured at. Top-k trees only."""
 from __future__ import annotations
 
 from ..dflash import check_fits, run_block
@@ -39,6 +39,12 @@ def load(cfg, target_hf):
 
 def calibration_depth(cfg, drafter) -> int:
     return cfg.block_size or drafter.config.block_size
+
+
+def calibration_options(cfg, drafter) -> dict:
+    # Rows attend both ways inside a block, so their drafts depend on its length: a measured tree
+    # runs at the block length its comb was measured at, not the shortest one it fits in.
+    return {"block_size": cfg.block_size or drafter.config.block_size}
 
 
 def entry(cfg, drafter, tree: Tree) -> dict:

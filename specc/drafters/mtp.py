@@ -36,6 +36,10 @@ def calibration_depth(cfg, heads) -> int:
     return CALIBRATION_DEPTH
 
 
+def calibration_options(cfg, weights) -> dict:
+    return {}
+
+
 def entry(cfg, heads, tree: Tree) -> dict:
     c = heads.config
     return {"kind": NAME, "depth": tree.max_depth, "trained_depth": c.depth, "num_modules": c.num_modules,

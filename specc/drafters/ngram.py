@@ -29,6 +29,10 @@ def calibration_depth(cfg, weights) -> int:
     return CALIBRATION_DEPTH
 
 
+def calibration_options(cfg, weights) -> dict:
+    return {}
+
+
 def entry(cfg, weights, tree) -> dict:
     return {"kind": NAME, "max_ngram": MAX_NGRAM, "min_ngram": MIN_NGRAM}
 
