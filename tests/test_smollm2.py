@@ -101,7 +101,7 @@ def test_greedy_identical_to_hf(reference, tmp_path, backend, drafter, tree, pro
     check_engine(path, reference(), True, prompts, plain)
 
 
-@pytest.mark.parametrize("drafter,prompt", [("dflash", 2), ("mtp", 0)])
+@pytest.mark.parametrize("drafter,prompt", [("dflash", 2), ("mtp", 0), ("dspark", 1)])
 def test_shipped_drafters_greedy_identical_to_hf(reference, tmp_path, drafter, prompt):
     """The drafters trained by `specc train` and shipped for SmolLM2 (the compile default for the
     embedded model): token-identical to HF, and accepted often enough to save verify passes."""
