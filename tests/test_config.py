@@ -16,7 +16,7 @@ from specc.errors import SpeccError
 BAD = {  # field values -> words the one-sentence message must contain
     "no-output": (dict(output_dir=None), ["output directory"]),
     "drafter": (dict(drafter="magic"), ["--drafter", "magic", "ngram"]),
-    "dspark": (dict(drafter="dspark"), ["dspark", "--drafter-path"]),
+    "dspark-no-path": (dict(drafter="dspark", model="some/model"), ["--drafter dspark needs --drafter-path"]),
     "backend": (dict(backend="cuda-magic"), ["--backend", "cuda-magic"]),
     "device": (dict(device="tpu"), ["--device", "tpu"]),
     "dtype": (dict(dtype="float7"), ["float7"]),
