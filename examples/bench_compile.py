@@ -29,6 +29,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error("--rounds must be at least 1")
     quiet_libraries()
     seconds = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -238,7 +238,8 @@ class Finished:
 
 
 def specc_main(*args, cwd=None) -> Finished:
-    """`specc ARGS` through `specc.cli.main` in this process, its output captured (the test's thread only)."""
+    """`specc ARGS` through `specc.cli.main` in this process, its output captured (the test's thread only).
+    `cwd` is accepted for Ctx.specc's call and ignored: the jobs pass absolute paths."""
     import contextlib
     import io
 
