@@ -206,6 +206,15 @@ def target_view(model, ids, layer_ids):
     return taps, hs[-1][0], out.logits[0].argmax(-1)
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (taskset / cgroup affinity), not all the machine's: two runs
+    pinned to one core each must not oversubscribe."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def fast_dtype():
     """bfloat16 where the CPU multiplies it natively (AVX512-BF16 / AMX: about 4x fp32 here), else None."""
     try:
@@ -799,7 +808,7 @@ def extract_features(model, folder, tokens: int, taps: int = 3, max_len: int = 1
     FeatureSpec(max_len=max_len, sources=tuple(sources.split(","))).check()  # before the target loads (and mkdir)
     target, tokenizer, _, name = load_target(model, Path(folder), False)
     spec = feature_spec(target, name, taps, max_len, sources)
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cpus())
     return extract(target, tokenizer, spec, folder, tokens, feature_exclusions(), progress, log)
 
 
@@ -910,7 +919,7 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
     work = out / "train"
     resumed = _check_run_dir(out, cfg)
     torch.manual_seed(cfg.seed)
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cpus())
     target, tokenizer, eos, name = load_target(model, work, smoke)
     seqs, held = _run_sequences(target, tokenizer, eos, cfg, out, progress)
     fast = fast_dtype()
