@@ -1,0 +1,109 @@
+"""The cost curve of specc's step graphs on this machine: c(T) = t(T) / t(1), side by side per backend.
+
+    python examples/cost_curve.py [--backends inductor,onnx] [--Ts 1,2,4,8,16] [--context 256]
+        [--calls 40] [--rounds 3] [--engines DIR] [--json] [--write BENCHMARKS.md]
+
+Speculative decoding gains tau / c(T): a step that verifies T tokens must cost little more than a plain
+step. For each backend and each T > 1 this compiles an engine whose step graph verifies a chain of T
+tokens (the ngram drafter: no drafter graphs, so the step graph is the target's alone) and times that
+graph against the same engine's plain graph (T = 1) on SmolLM2 with the cache filled to --context
+tokens. Every round times each backend and T in turn (one backend's engines loaded at a time), so
+slow drift of the machine falls on all alike; figures are medians over calls. Compiled engines are kept under --engines and reused by later runs.
+"""
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import specc
+from specc import benchfile
+from specc.data import load_prompts
+
+
+def engine_for(backend: str, T: int, root: str, max_len: int, progress: bool):
+    tree = f"chain:{max(T - 1, 1)}"  # T = 1 times the plain graph of a chain:1 engine
+    out = Path(root) / f"{backend}-{tree.replace(':', '')}-{max_len}"
+    if not (out / "specc.json").exists():  # else compiled by an earlier run: reuse it
+        specc.compile(None, drafter="ngram", tree=tree, backend=backend, output_dir=str(out), max_len=max_len,
+                      progress=progress, modes="greedy")
+    return specc.load(out)
+
+
+def caller(engine, T: int, context_ids: list[int]):
+    """A function making one call of the graph that verifies T tokens, on a cache holding context_ids."""
+    engine.generate(context_ids, max_new_tokens=2, stop_at_eos=False)  # prefill: the cache holds the context
+    graph = engine.graphs["plain_greedy" if T == 1 else "step_greedy"]
+    tokens, base = torch.tensor(context_ids[-T:]), torch.tensor(len(context_ids))
+
+    def call():
+        graph(tokens, base)[0].tolist()  # the report read: what the runtime waits for
+    return call
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backends", default="inductor,onnx")
+    ap.add_argument("--Ts", default="1,2,4,8,16")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--calls", type=int, default=40, help="calls per T per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--engines", default="engines/cost-curve")
+    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--write", metavar="BENCHMARKS.md")
+    a = ap.parse_args()
+    Ts = sorted({int(t) for t in a.Ts.split(",")} | {1})
+    if Ts[0] < 1 or a.context + max(Ts) >= a.max_len or a.calls < 1 or a.rounds < 1:
+        print("error: --Ts must be positive, --context + T must fit --max-len, --calls and --rounds >= 1.",
+              file=sys.stderr)
+        return 2
+    cmd = benchfile.command_line()
+    backends = a.backends.split(",")
+    for b in backends:  # compile what is missing first
+        for T in Ts:
+            engine_for(b, T, a.engines, a.max_len, not a.json)
+    ids = []
+    tok = engine_for(backends[0], 1, a.engines, a.max_len, False)
+    for p in load_prompts("mt-bench", None):  # a real context: prompts joined to --context tokens
+        ids += tok.encode(p, chat=True)
+        if len(ids) >= a.context:
+            break
+    ids = ids[: a.context]
+    del tok
+
+    # One variant's engines in memory at a time (each holds its own weights and caches); every round
+    # loads each variant again and times all its Ts in turn.
+    ms = {(b, T): [] for b in backends for T in Ts}
+    for _ in range(a.rounds):
+        for b in backends:
+            calls = {T: caller(engine_for(b, T, a.engines, a.max_len, False), T, ids) for T in Ts}
+            for fn in calls.values():  # warm-up
+                for _ in range(3):
+                    fn()
+            for T, fn in calls.items():
+                for _ in range(a.calls):
+                    t = time.perf_counter()
+                    fn()
+                    ms[(b, T)].append(1000 * (time.perf_counter() - t))
+            del calls
+            gc.collect()
+
+    med = {key: statistics.median(v) for key, v in ms.items()}
+    rows = [{"backend": b, "T": T, "ms": round(med[(b, T)], 3), "c": round(med[(b, T)] / med[(b, 1)], 3)}
+            for b in backends for T in Ts]
+    setup = (f"SmolLM2-135M-Instruct, fp32, greedy step graphs verifying a chain of T tokens (T = 1: the plain "
+             f"graph), cache filled to {a.context} tokens, {a.calls} calls per T per round x {a.rounds} rounds, "
+             f"medians; c(T) = t(T) / t(1) on the same backend.")
+    lines = ["| backend | " + " | ".join(f"T={T} ms (c)" for T in Ts) + " |", "|---|" + "---|" * len(Ts)]
+    for b in backends:
+        lines.append(f"| {b} | " + " | ".join(f"{med[(b, T)]:.1f} ({med[(b, T)] / med[(b, 1)]:.2f})" for T in Ts) + " |")
+    run = benchfile.new_run("Cost curve of the step graphs", [], cmd, cost_curve=rows)
+    return benchfile.finish(a, run, setup, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
