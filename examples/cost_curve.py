@@ -8,7 +8,9 @@ step. For each backend and each T > 1 this compiles an engine whose step graph v
 tokens (the ngram drafter: no drafter graphs, so the step graph is the target's alone) and times that
 graph against the same engine's plain graph (T = 1) on SmolLM2 with the cache filled to --context
 tokens. Every round times each backend and T in turn (one backend's engines loaded at a time), so
-slow drift of the machine falls on all alike; figures are medians over calls. Compiled engines are kept under --engines and reused by later runs.
+slow drift of the machine falls on all alike; figures are medians over calls. Compiled engines are
+kept under --engines and reused by later runs by their directory name alone: after changing a pass or
+a backend, give a new --engines directory.
 """
 import argparse
 import gc
@@ -21,6 +23,7 @@ import torch
 
 import specc
 from specc import benchfile
+from specc.errors import SpeccError
 from specc.data import load_prompts
 
 
@@ -63,9 +66,13 @@ def main() -> int:
         return 2
     cmd = benchfile.command_line()
     backends = a.backends.split(",")
-    for b in backends:  # compile what is missing first
-        for T in Ts:
-            engine_for(b, T, a.engines, a.max_len, not a.json)
+    try:
+        for b in backends:  # compile what is missing first
+            for T in Ts:
+                engine_for(b, T, a.engines, a.max_len, not a.json)
+    except SpeccError as e:  # e.g. an unknown backend: one sentence, as the CLI says it
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     ids = []
     tok = engine_for(backends[0], 1, a.engines, a.max_len, False)
     for p in load_prompts("mt-bench", None):  # a real context: prompts joined to --context tokens
@@ -75,8 +82,8 @@ def main() -> int:
     ids = ids[: a.context]
     del tok
 
-    # One variant's engines in memory at a time (each holds its own weights and caches); every round
-    # loads each variant again and times all its Ts in turn.
+    # One backend's engines in memory at a time (each holds its own weights and caches); every round
+    # loads each backend's again and times all its Ts in turn.
     ms = {(b, T): [] for b in backends for T in Ts}
     for _ in range(a.rounds):
         for b in backends:
@@ -100,7 +107,8 @@ def main() -> int:
              f"medians; c(T) = t(T) / t(1) on the same backend.")
     lines = ["| backend | " + " | ".join(f"T={T} ms (c)" for T in Ts) + " |", "|---|" + "---|" * len(Ts)]
     for b in backends:
-        lines.append(f"| {b} | " + " | ".join(f"{med[(b, T)]:.1f} ({med[(b, T)] / med[(b, 1)]:.2f})" for T in Ts) + " |")
+        cells = [f"{med[(b, T)]:.1f} ({med[(b, T)] / med[(b, 1)]:.2f})" for T in Ts]
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
     run = benchfile.new_run("Cost curve of the step graphs", [], cmd, cost_curve=rows)
     return benchfile.finish(a, run, setup, "\n".join(lines))
 

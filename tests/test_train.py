@@ -8,13 +8,20 @@ import pytest
 import torch
 
 from conftest import run_specc
-from specc.train import TrainConfig, sharegpt_pairs, tau_of
+from specc.train import TrainConfig, sharegpt_pairs, tau_of, usable_cpus
 
 
 def test_tau_of_counts_leading_matches():
     acc = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
     assert tau_of(acc) == pytest.approx(1 + (2 + 0 + 4) / 3)
     assert tau_of(acc, 1) == pytest.approx(1 + 2 / 3)
+
+
+def test_threads_follow_the_cpus_the_process_may_use(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {1})  # as under `taskset -c 1`
+    assert usable_cpus() == 1
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2})
+    assert usable_cpus() == 3
 
 
 def test_training_prompts_never_come_from_evaluation_sets():
