@@ -34,14 +34,14 @@ def cmd_compile(a) -> int:
                            drafter_path=a.drafter_path, drafter_layers=a.drafter_layers, dtype=a.dtype,
                            block_size=a.block_size, device=a.device, children=a.children, max_len=a.max_len,
                            prefill_chunk=a.prefill_chunk, dump_ir=a.dump_ir, progress=not a.json,
-                           **({"modes": a.modes} if a.modes else {}))
+                           adaptive=a.adaptive, **({"modes": a.modes} if a.modes else {}))
     out = specc.compile(config=config)
     manifest = json.loads((out / "specc.json").read_text())
     if a.json:
         print(json.dumps({"engine": str(out), "backend": a.backend, "drafter": manifest["drafter"],
                           "tree": manifest["tree"]["spec"], "tree_report": {k: v for k, v in manifest["tree"].items()
                                                                              if k not in ("parents", "depths")},
-                          "graphs": manifest["graphs"]}))
+                          "graphs": manifest["graphs"], "adaptive": manifest.get("adaptive")}))
     else:
         print(f"compiled {manifest['target']['name']} with drafter {a.drafter}, tree {manifest['tree']['spec']} "
               f"({len(manifest['tree']['paths'])} nodes), backend {a.backend} on {manifest['device']} -> {out}")
@@ -49,6 +49,9 @@ def cmd_compile(a) -> int:
             print("  " + line)
         for name, g in manifest["graphs"].items():
             print(f"  graph {name:<14} {g['tokens']:>4} tokens/call  passes: capture -> {' -> '.join(g['passes'])}")
+        if "adaptive" in manifest:
+            for line in adaptive_lines(manifest["adaptive"]):
+                print("  " + line)
         if a.dump_ir:
             print(f"  graph after each pass written to {a.dump_ir}")
     return 0
@@ -127,6 +130,12 @@ def tree_report_lines(tree: dict) -> list[str]:
     return lines
 
 
+def adaptive_lines(entry: dict) -> list[str]:
+    from .adaptive import report_lines
+
+    return report_lines(entry) if "latency_ms" in entry else ["adaptive family not measured"]
+
+
 def cmd_inspect(a) -> int:
     from .compiler import read_manifest
     from .tree import draw_tree, tree_from_paths
@@ -150,6 +159,10 @@ def cmd_inspect(a) -> int:
     print(f"backend     {m['backend']} on {m.get('device', 'cpu')}, dtype {m['dtype']}, max_len {m['max_len']}, "
           f"prefill chunk {m['prefill_chunk']}")
     print(f"modes       {', '.join(m['modes'])} (one graph per mode for each graph that samples)")
+    if "adaptive" in m:
+        print("adaptive    per step, the step graph with the most expected tokens per second:")
+        for line in adaptive_lines(m["adaptive"]):
+            print("            " + line)
     print(f"versions    specc {m['specc_version']}, torch {m['torch_version']}, transformers {m['transformers_version']}")
     print(f"files       {len(m['files'])} (sha256 recorded)")
     if a.passes:
@@ -269,6 +282,9 @@ def add_compile(sub) -> None:
     c.add_argument("--max-len", type=int, default=1024)
     c.add_argument("--prefill-chunk", type=int, default=32)
     c.add_argument("--dump-ir", default=None, metavar="DIR", help="write the graph after every pass here")
+    c.add_argument("--adaptive", action="store_true",
+                   help="ngram: also compile a step graph for each prefix of the tree, time them here, and per step "
+                        "verify the one with the most expected tokens per second (plain decoding when drafts look poor)")
     c.add_argument("--json", action="store_true")
     c.add_argument("-o", "--output", required=True, metavar="DIR")
     c.set_defaults(fn=cmd_compile)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from . import __version__, calibrate
+from . import __version__, adaptive, calibrate
 from .backends import check_device, lower_graph, move_states, open_graph
 from .config import MANIFEST, CompileConfig
 from .drafters import get_kind
@@ -81,12 +81,15 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
     if cfg.measured_tree:
         cfg = replace(cfg, **kind.calibration_options(cfg, weights))
         tree, report, picked = measure_tree(cfg, kind.calibration_depth(cfg, weights))
-        if picked is not None:  # auto compiled the winner on this backend already: keep that engine
+        if picked is not None and not cfg.adaptive:  # auto compiled the winner on this backend already: keep it
             return install_picked(picked, out, cfg.tree_spec, report)
+        if picked is not None:  # an adaptive engine adds the family to the winner's tree: compiled below
+            shutil.rmtree(picked.parent, ignore_errors=True)
     entry = kind.entry(cfg, weights, tree)
     cache_len = cfg.max_len + max(cfg.prefill_chunk, tree.size)
     modules = build_modules(kind, target.model, weights, entry, tree, cache_len)
-    plans = graph_plans(kind, tree, cfg.prefill_chunk, cache_len, cfg.backend, modules.sampled, cfg.modes)
+    plans = graph_plans(kind, tree, cfg.prefill_chunk, cache_len, cfg.backend, modules.sampled, cfg.modes,
+                        cfg.adaptive)
     with staging(out) as stage:
         # tensorrt: the graphs are exported on this machine's CPU and built on the GPU machine
         build_device = "cpu" if cfg.backend == "tensorrt" else cfg.device
@@ -111,7 +114,23 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
         kind.save(weights, stage / "draft", target.model)
         trt = tensorrt_engines(stage, out, graphs, cfg.progress) if cfg.backend == "tensorrt" else None
         write_manifest(stage, cfg, target, modules.target, entry, tree, report, graphs, cache_len, trt)
+        if cfg.adaptive:
+            measure_family(stage, cfg.progress)
     return out
+
+
+def measure_family(stage: Path, progress: bool) -> None:
+    """An adaptive engine's family timed and its drafter's confidences calibrated on the built
+    engine (specc/adaptive.py), into its manifest."""
+    engine = load(stage, check_hashes=False)
+    m = engine.manifest
+    chat = engine.tokenizer is not None and bool(getattr(engine.tokenizer, "chat_template", None))
+    texts = [engine.encode(p, chat) for p in calibrate.calibration_inputs(engine.tokenizer, m["target"]["vocab_size"],
+                                                                          adaptive.CALIBRATION_PROMPTS)]
+    drafter = get_kind(m["drafter"]["kind"]).runtime(engine.graphs, engine.tree, m["drafter"], engine.chunk,
+                                                     engine.device)
+    m["adaptive"] = adaptive.measure(engine, drafter, texts, progress)
+    (stage / MANIFEST).write_text(json.dumps(m, indent=1, default=str))
 
 
 def tensorrt_engines(stage: Path, out: Path, graphs: dict, progress: bool) -> dict:
@@ -163,7 +182,8 @@ def measure_tree(cfg: CompileConfig, depth_limit: int):
     def build(tree_file: str, backend: str | None, engine_dir: Path):
         # The calibration engine (backend "eager") only decodes greedily; auto's candidates may become the engine.
         compile(config=replace(cfg, tree=tree_file, backend=backend or cfg.backend, output_dir=engine_dir,
-                               dump_ir=None, progress=False, modes=cfg.modes if backend is None else ("greedy",)))
+                               dump_ir=None, progress=False, modes=cfg.modes if backend is None else ("greedy",),
+                               adaptive=False))
         return load(engine_dir)
 
     out = Path(cfg.output_dir)
@@ -207,6 +227,7 @@ def write_manifest(stage: Path, cfg: CompileConfig, target, target_module: Targe
         "backend": cfg.backend, "device": cfg.device, "dtype": str(cfg.torch_dtype).replace("torch.", ""),
         "modes": list(cfg.modes), "max_len": cfg.max_len, "prefill_chunk": cfg.prefill_chunk, "cache_len": cache_len,
         "graphs": graphs,
+        **({"adaptive": {"sizes": adaptive.family_sizes(tree)}} if cfg.adaptive else {}),
         **({"tensorrt": trt} if trt is not None else {}),
         "files": files,
     }
@@ -311,7 +332,7 @@ def load(path, check_hashes: bool = True, device: str | None = None, cuda_graphs
     kind, cache_len, chunk = get_kind(entry["kind"]), manifest["cache_len"], manifest["prefill_chunk"]
     modules = build_modules(kind, model, kind.load_saved(path / "draft", entry, model, dtype), entry, tree, cache_len)
     plans = {p.name: p for p in graph_plans(kind, tree, chunk, cache_len, backend, modules.sampled,
-                                            manifest["modes"])}
+                                            manifest["modes"], "adaptive" in manifest)}
     states = move_states(modules.states(), device)
     graphs = {}
     for name, g in manifest["graphs"].items():

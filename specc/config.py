@@ -42,6 +42,9 @@ class CompileConfig:
     prefill_chunk: int = 32
     dump_ir: str | Path | None = None
     progress: bool = True
+    # A family of step graphs (the tree's node-count prefixes, down to plain), timed at compile time;
+    # per step the runtime verifies the one with the most expected tokens per second (specc/adaptive.py).
+    adaptive: bool = False
     # Derived in __post_init__: the parsed tree (a stand-in chain for a measured spec) and the dtype.
     tree_spec: str = field(init=False)
     parsed_tree: Tree = field(init=False, repr=False, compare=False)
@@ -82,6 +85,13 @@ class CompileConfig:
                 raise SpeccError(f"{flag} only applies to --drafter {kinds_with('OPTIONS', name)}.")
         set_("tree_spec", self.tree or kind.DEFAULT_TREE)
         set_("parsed_tree", self._check_tree(kind))
+        if self.adaptive:
+            if not getattr(kind, "ADAPTIVE", False):
+                raise SpeccError(f"--adaptive needs a drafter whose drafts come with confidences; in this version "
+                                 f"that is --drafter {kinds_with('ADAPTIVE')}.")
+            if self.backend == "tensorrt":
+                raise SpeccError("--adaptive times its step graphs where they are compiled, which a tensorrt engine "
+                                 "cannot do before `specc build`; use --backend onnx or inductor.")
         kind.check(self)
 
     def _check_tree(self, kind) -> Tree:

@@ -23,6 +23,7 @@ from specc.passes.sample_last import sample_last
 from specc.passes.tree_attention import tree_attention
 from specc.passes.tree_inputs import tree_inputs
 
+from .adaptive import family_sizes, prefix, step_name
 from .pipeline import Pipeline, capture
 from .signature import MODES, SampledChildren, graph_name, uniform_columns
 from .tree import Tree, chain
@@ -75,11 +76,16 @@ def decode_plans(name: str, module: str, tree: Tree, cache_len: int, backend: st
 
 
 def graph_plans(kind, tree: Tree, chunk: int, cache_len: int, backend: str = "eager",
-                sampled: SampledChildren | None = None, modes=MODES) -> list[GraphPlan]:
-    """The engine's graphs for drafter `kind` (a module of specc.drafters), `tree` and sampling `modes`."""
+                sampled: SampledChildren | None = None, modes=MODES, adaptive: bool = False) -> list[GraphPlan]:
+    """The engine's graphs for drafter `kind` (a module of specc.drafters), `tree` and sampling `modes`;
+    `adaptive` adds a step graph for each of the tree's node-count prefixes (specc/adaptive.py)."""
     table = uniform_table(cache_len, tree, sampled)  # every graph of a generation reads the one table
     plans = (prefill_plans("prefill", "target", chunk, cache_len, backend, modes, table)
              + decode_plans("plain", "target", chain(0), cache_len, backend, modes, table=table))
+    if adaptive:
+        for k in family_sizes(tree)[1:-1]:
+            plans += decode_plans(step_name(k, tree.size), "target", prefix(tree, k), cache_len, backend, modes,
+                                  sampled, table)
     if tree.size > 1:
         plans += decode_plans("step", "target", tree, cache_len, backend, modes, sampled, table)
     return plans + kind.plans(tree, chunk, cache_len, backend, sampled, modes)

@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 
+from .adaptive import choose, step_name
 from .errors import SpeccError
 from .prefill import prefill, tap_rows
 from .signature import (MODES, SampledChildren, StepSignature, graph_name, graphs_for_mode, mode_of, split_report,
@@ -41,12 +42,16 @@ class Stats:
     # Per speculative step, the sibling ranks along the accepted path ((0, 2): rank 0, then rank 2);
     # what `--tree sequoia/auto` measure acceptance from. Not in as_dict (one entry per step).
     rank_paths: list[tuple[int, ...]] = field(default_factory=list)
+    # Steps by the size of the tree they verified (1: plain): an adaptive engine's choices, and
+    # the plain steps a host drafter falls back to when it has nothing to propose.
+    verified_sizes: dict[int, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {"new_tokens": self.new_tokens, "steps": self.steps, "tau": round(self.tau, 4),
                 "tokens_per_s": round(self.tokens_per_s, 3), "wall_s": round(self.wall_s, 4),
                 "prefill_s": round(self.prefill_s, 4), "prompt_tokens": self.prompt_tokens, "stop": self.stop,
-                "accepted_hist": self.accepted_hist}
+                "accepted_hist": self.accepted_hist,
+                "verified_sizes": {str(k): v for k, v in sorted(self.verified_sizes.items())}}
 
 
 @dataclass
@@ -97,6 +102,9 @@ class Engine:
         self.rates = manifest["drafter"].get("confidence", False)  # its fused graph returns confidences
         self.modes = tuple(manifest.get("modes", MODES))
         self._report_buffers: dict[int, torch.Tensor] = {}  # pinned host buffers for the reports (CUDA)
+        # Adaptive verification (specc/adaptive.py): the family's latencies and the calibrated rates.
+        entry = manifest.get("adaptive") or {}
+        self.adaptive = entry if "latency_ms" in entry else None
 
     def signatures(self, mode: str) -> tuple[StepSignature, StepSignature, StepSignature]:
         """The plain, step and fused graphs' calling conventions in `mode`."""
@@ -244,9 +252,14 @@ class Engine:
         drafts, found = self.drafter.propose(run.committed)
         if not found:
             return self._plain_step(run)
-        T, sig = self.tree.size, run.signatures[1]
+        T, sig, name = self.tree.size, run.signatures[1], "step"
+        if self.adaptive is not None:  # the family member with the most expected tokens per second
+            T = choose(self.tree, self.adaptive["latency_ms"], self.adaptive["rates"], self.drafter.confidences())
+            if T == 1:
+                return self._plain_step(run)
+            sig, name = StepSignature(T, self.sampled, mode=run.mode), step_name(T, self.tree.size)
         drafts = drafts if isinstance(drafts, torch.Tensor) else self._upload(drafts[: T - 1])
-        res = sig.unpack(run.graphs["step"](*sig.args(
+        res = sig.unpack(run.graphs[name](*sig.args(
             torch.cat((self._root(run), drafts)), run.base_dev, run.temperature, run.top_p, run.table,
             self.drafter.q)))
         report = self._advance(run, res)
@@ -278,6 +291,7 @@ class Engine:
         if size > 1:
             stats.rank_paths.append(tuple(self.tree.ranks[i] for i in path[1: n + 1]))
         stats.steps += 1
+        stats.verified_sizes[size] = stats.verified_sizes.get(size, 0) + 1
         while len(stats.accepted_hist) <= n:
             stats.accepted_hist.append(0)
         stats.accepted_hist[n] += 1

@@ -26,12 +26,12 @@ def models(tmp_path_factory):
     return root, target
 
 
-def exact_distribution(target, temperature: float) -> np.ndarray:
+def exact_distribution(target, temperature: float, prompt=PROMPT) -> np.ndarray:
     """p(x1..x4 | prompt) for all V^4 continuations, by enumeration."""
-    seqs = torch.tensor([PROMPT + list(s) for s in itertools.product(range(V), repeat=NEW - 1)])
+    seqs = torch.tensor([list(prompt) + list(s) for s in itertools.product(range(V), repeat=NEW - 1)])
     with torch.no_grad():
         logp = torch.log_softmax(target(seqs).logits.double() / temperature, dim=-1)
-    L = len(PROMPT)
+    L = len(prompt)
     joint = logp[:, L - 1, :]  # p(x1), same for every row
     total = np.zeros((V,) * NEW)
     for row, s in enumerate(itertools.product(range(V), repeat=NEW - 1)):
@@ -149,3 +149,27 @@ def test_sampled_children_with_a_wrong_q_are_detected(models, tmp_path, monkeypa
     assert traced_with_q  # the step graph verifies sampled children with a q
     p = g_test(samples, exact_distribution(target, 1.0))
     assert p < 1e-3, f"the wrong q was not detected (p={p:.2e})"
+
+
+def test_adaptive_sampling_matches_target(models, tmp_path):
+    """The same test on an adaptive ngram engine whose choice of step graph varies from step to step
+    (plain, 2, 3 and 4 nodes): the choice depends on the text so far, never on the step's own draws,
+    so it must not bias the output."""
+    root, target = models
+    prompt = [3, 5, 2, 7, 3, 5, 2, 7, 3, 5, 2]  # repeats: the ngram drafter finds matches
+    path = specc.compile(root / "target", drafter="ngram", tree="chain:3", backend="eager", adaptive=True,
+                         output_dir=tmp_path / "engine", max_len=32, prefill_chunk=4, progress=False, modes="sample")
+    engine = specc.load(path)
+    # Latencies and rates fixed so that the choice follows the drafts' confidence (specc/adaptive.py):
+    # confident -> the whole chain, half sure -> 2 nodes, no evidence -> plain.
+    engine.adaptive = {**engine.adaptive, "latency_ms": [1.0, 1.3, 1.6, 1.9], "rates": [0.1, 0.3, 0.5, 0.7, 0.9, 0.95]}
+    engine.drafter.min_ngram = 1  # a random model rarely repeats 3-grams: match single tokens, so most steps draft
+    samples, sizes = [], {}
+    for seed in range(RUNS):
+        r = engine.generate(prompt, max_new_tokens=NEW, temperature=1.0, seed=seed, stop_at_eos=False)
+        samples.append(tuple(r.token_ids))
+        for k, n in r.stats.verified_sizes.items():
+            sizes[k] = sizes.get(k, 0) + n
+    assert sum(n > 500 for n in sizes.values()) >= 3, sizes  # several members of the family ran, often
+    p = g_test(samples, exact_distribution(target, 1.0, prompt))
+    assert p > 1e-3, f"adaptive speculative samples differ from the target distribution (p={p:.2e})"

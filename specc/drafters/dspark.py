@@ -15,6 +15,7 @@ NAME = "dspark"
 DEFAULT_TREE = "chain:4"
 DRAFTS = FILLS_TREES = MEASURED_TREES = True
 SAMPLED_CHILDREN = False  # a node's children depend on its token: no per-depth q to draw them from
+ADAPTIVE = False  # its drafts carry no confidences the host loop reads yet
 OPTIONS = frozenset({"drafter_path", "block_size"})
 
 

@@ -12,6 +12,7 @@ from . import hidden_state
 NAME = "mtp"
 DEFAULT_TREE = "chain:1"  # the fastest measured with the shipped SmolLM2 heads (BENCHMARKS.md, 2026-11-30)
 DRAFTS = FILLS_TREES = MEASURED_TREES = SAMPLED_CHILDREN = True
+ADAPTIVE = False  # its drafts carry no confidences the host loop reads yet
 OPTIONS = frozenset({"drafter_path"})
 CALIBRATION_DEPTH = 4
 

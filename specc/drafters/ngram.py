@@ -10,11 +10,13 @@ from ..tree import Tree
 NAME = "ngram"
 DEFAULT_TREE = "chain:4"
 DRAFTS = FILLS_TREES = MEASURED_TREES = True
+ADAPTIVE = True  # its proposals come with confidences (match statistics): --adaptive applies
 SAMPLED_CHILDREN = False
 OPTIONS: frozenset[str] = frozenset()
 # min_ngram 3 measured best of 1..3 on MT-Bench and HumanEval (BENCHMARKS.md).
 MAX_NGRAM, MIN_NGRAM = 4, 3
 CALIBRATION_DEPTH = 8
+MAX_OCCURRENCES = 64  # the most recent occurrences a confidence counts (bounds the host's work per step)
 
 
 def check(cfg) -> None:
@@ -76,17 +78,48 @@ def ngram_continuations(tokens: np.ndarray, k: int, max_ngram: int = 4, min_ngra
     The first one is what `ngram_propose` returns."""
     n, found = len(tokens), []
     for size in range(min(max_ngram, n - 1), min_ngram - 1, -1):
-        suffix = tokens[n - size:]
-        # windows[i] = tokens[i : i+size]; an earlier match must start at i < n - size.
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: n - 1], size)
-        for hit in np.flatnonzero((windows == suffix).all(axis=1))[::-1]:
-            start = int(hit) + size
+        for start in _match_ends(tokens, size):
             cont = tokens[start: start + k].tolist()
             if cont and cont not in found:
                 found.append(cont)
                 if len(found) == limit:
                     return found
     return found
+
+
+def _match_ends(tokens: np.ndarray, size: int) -> np.ndarray:
+    """Where the continuations of the earlier occurrences of the last `size` tokens start, the most
+    recent first."""
+    n = len(tokens)
+    # windows[i] = tokens[i : i+size]; an earlier match must start at i < n - size.
+    windows = np.lib.stride_tricks.sliding_window_view(tokens[: n - 1], size)
+    return np.flatnonzero((windows == tokens[n - size:]).all(axis=1))[::-1] + size
+
+
+def ngram_confidences(tokens: np.ndarray, tree: Tree, drafts: list[int], max_ngram: int = 4,
+                      min_ngram: int = 1) -> list[float]:
+    """The match statistics behind each drafted node, in [0, 1]: over the earlier occurrences of the
+    longest suffix that occurs before (up to MAX_OCCURRENCES, the most recent), the share of
+    those whose continuation agrees with the node's parent path that also agree with the node,
+    `agree(node) / (agree(parent) + 1)` (the +1: one occurrence is weak evidence). 0 where nothing matches."""
+    n, conts = len(tokens), None
+    for size in range(min(max_ngram, n - 1), min_ngram - 1, -1):
+        ends = _match_ends(tokens, size)
+        if len(ends):
+            conts = [tokens[e: e + tree.max_depth] for e in ends[:MAX_OCCURRENCES]]
+            break
+    if conts is None:
+        return [0.0] * (tree.size - 1)
+    path_tokens = [()] + [None] * (tree.size - 1)
+    agree = [len(conts)] + [0] * (tree.size - 1)
+    out = []
+    for i in range(1, tree.size):
+        parent = tree.parents[i]
+        path_tokens[i] = path_tokens[parent] + (drafts[i - 1],)
+        d = tree.depths[i]
+        agree[i] = sum(1 for c in conts if len(c) >= d and tuple(c[:d].tolist()) == path_tokens[i])
+        out.append(agree[i] / (agree[parent] + 1))
+    return out
 
 
 def ngram_tree_drafts(continuations: list[list[int]], tree: Tree, root: int) -> list[int]:
@@ -130,7 +163,12 @@ class NgramDrafter:
             self.buf = np.asarray(committed, dtype=np.int64)
         conts = ngram_continuations(self.buf, self.tree.max_depth, self.max_ngram, self.min_ngram,
                                     limit=1 if self.tree.is_chain else self.limit)
-        return ngram_tree_drafts(conts, self.tree, committed[-1]), len(conts) > 0
+        self.drafts = ngram_tree_drafts(conts, self.tree, committed[-1])
+        return self.drafts, len(conts) > 0
+
+    def confidences(self) -> list[float]:
+        """The last proposal's confidence in each drafted node (ngram_confidences), for --adaptive."""
+        return ngram_confidences(self.buf, self.tree, self.drafts, self.max_ngram, self.min_ngram)
 
     def accepted(self, committed: list[int], n_accepted: int) -> None:
         self.buf = np.asarray(committed, dtype=np.int64)

@@ -1,0 +1,167 @@
+"""Adaptive verification (`specc compile --adaptive`): per step, verify as much of the tree as pays.
+
+An adaptive engine holds a family of step graphs: the tree's first k nodes for k = 2 .. T (nodes
+are ordered by depth, so every such prefix is a tree, closed under parents), and plain decoding
+(k = 1). At compile time each is timed on the machine that compiles it, and the drafter's
+confidence in a node (a number in [0, 1] that the drafter computes from what it drafted, e.g. ngram
+match statistics) is calibrated into an acceptance rate on calibration prompts. Per step the
+runtime takes the drafts and their confidences and runs the member with the most expected tokens
+per second:
+
+    E[tokens | k] = 1 + sum over nodes 1..k-1 of prod over the node's path of rate(confidence)
+    choice        = argmax_k E[tokens | k] / latency_k
+
+Lossless by construction: the choice depends only on text already committed, never on the step's
+own uniforms (signature.uniform_columns: a call's draws are the row at its base position, used by
+no other call), and whatever is verified is verified exactly.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+import time
+
+from .tree import Tree, tree_from_paths
+
+# Confidence buckets: edges between them. A rate per bucket is measured at compile time.
+EDGES = (0.2, 0.4, 0.55, 0.7, 0.85)
+PRIOR = (1.0, 2.0)  # Laplace: (accepted + 1) / (seen + 2) per bucket
+CALIBRATION_PROMPTS = 8
+CALIBRATION_TOKENS = 96
+TIMING_ROUNDS, TIMING_CALLS = 5, 4
+
+
+def step_name(k: int, size: int) -> str:
+    """The graph that verifies the tree's first k nodes: `plain` for 1, `step` for the whole tree."""
+    return "plain" if k == 1 else "step" if k == size else f"step{k}"
+
+
+def prefix(tree: Tree, k: int) -> Tree:
+    """The tree's first k nodes (node order is by depth, so this is a tree)."""
+    return tree_from_paths(tree.paths[:k])
+
+
+def family_sizes(tree: Tree) -> list[int]:
+    return list(range(1, tree.size + 1))
+
+
+def bucket(confidence: float) -> int:
+    return bisect.bisect_right(EDGES, confidence)
+
+
+def rates_from_counts(seen: list[int], accepted: list[int]) -> list[float]:
+    a, b = PRIOR
+    return [(acc + a) / (n + b) for n, acc in zip(seen, accepted)]
+
+
+def expected_tokens(tree: Tree, rates: list[float], k: int) -> float:
+    """1 + the probability of reaching each of the first k nodes, each node accepted (given its
+    parent) at `rates[node]` (rates[0], the root, is unused)."""
+    reach = [1.0] * k
+    for i in range(1, k):
+        reach[i] = reach[tree.parents[i]] * rates[i]
+    return 1.0 + math.fsum(reach[1:])
+
+
+def choose(tree: Tree, latency_ms: list[float], table: list[float], confidences: list[float]) -> int:
+    """The family member (node count k, 1 = plain) with the most expected tokens per millisecond,
+    given the drafter's confidence in each non-root node; the smaller one on a tie."""
+    rates = [1.0] + [table[bucket(c)] for c in confidences]
+    best, best_k = -1.0, 1
+    for k in range(1, len(latency_ms) + 1):
+        score = expected_tokens(tree, rates, k) / latency_ms[k - 1]
+        if score > best * (1 + 1e-9):
+            best, best_k = score, k
+    return best_k
+
+
+# -- compile time --------------------------------------------------------------------------------
+
+def time_family(engine, mode: str = "greedy") -> list[float]:
+    """Milliseconds per call of each family member (plain first), interleaved rounds, medians. The
+    graphs run on zeros: their shapes are static, so the cost does not depend on the values."""
+    import torch
+
+    graphs = {name: engine.graphs[name] for name in engine.graphs if name.endswith("_" + mode) or name == mode}
+    sizes = family_sizes(engine.tree)
+    calls = []
+    for k in sizes:
+        key = f"{step_name(k, engine.tree.size)}_{mode}"
+        spec = engine.manifest["graphs"][key]["inputs"]
+        args = tuple(torch.zeros(s, dtype=getattr(torch, d.replace("torch.", "")), device=engine.device)
+                     for s, d in spec)
+        calls.append((graphs[key], args))
+    for fn, args in calls:  # warm-up
+        fn(*args)
+    times: list[list[float]] = [[] for _ in sizes]
+    for _ in range(TIMING_ROUNDS):
+        for i, (fn, args) in enumerate(calls):
+            t0 = time.perf_counter()
+            for _ in range(TIMING_CALLS):
+                out = fn(*args)
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize(engine.device)
+            del out
+            times[i].append((time.perf_counter() - t0) * 1000 / TIMING_CALLS)
+    return [round(statistics.median(t), 4) for t in times]
+
+
+def calibrate_confidence(engine, drafter, prompts: list[list[int]], new_tokens: int) -> tuple[list[int], list[int]]:
+    """How often a node whose parent was right is right itself, by confidence bucket: the target's
+    own greedy text on the prompts, and at every position what the drafter would have drafted there."""
+    seen, accepted = [0] * (len(EDGES) + 1), [0] * (len(EDGES) + 1)
+    tree = engine.tree
+    for ids in prompts:
+        out = engine.generate(ids, max_new_tokens=new_tokens, speculate=False, stop_at_eos=False).token_ids
+        text = list(ids) + list(out)
+        drafter.start(list(ids), "greedy", None, None)
+        for p in range(len(ids), len(text)):
+            committed = text[:p]  # the root is text[p - 1]; node i drafts position p - 1 + depth
+            drafter.accepted(committed, 0)
+            drafts, found = drafter.propose(committed)
+            if not found:
+                continue
+            right = [True] + [False] * (tree.size - 1)
+            for i, c in enumerate(drafter.confidences(), start=1):
+                pos = p - 1 + tree.depths[i]
+                if not right[tree.parents[i]] or pos >= len(text):
+                    continue
+                right[i] = drafts[i - 1] == text[pos]
+                seen[bucket(c)] += 1
+                accepted[bucket(c)] += right[i]
+    return seen, accepted
+
+
+def measure(engine, drafter, texts: list[list[int]], progress: bool = False) -> dict:
+    """The manifest's `adaptive` entry for a freshly built engine: the family, each member's
+    latency on this machine, and the acceptance rate by confidence bucket, calibrated on the
+    target's greedy text after each of `texts` (token ids) with `drafter` (a fresh runtime drafter)."""
+    tree = engine.tree
+    mode = "greedy" if "greedy" in engine.modes else engine.modes[0]
+    latency = time_family(engine, mode)
+    new_tokens = max(2, min(CALIBRATION_TOKENS, engine.max_len // 2))
+    prompts = [ids[-(engine.max_len - new_tokens):] for ids in texts]
+    if "greedy" in engine.modes:
+        seen, accepted = calibrate_confidence(engine, drafter, prompts, new_tokens)
+    else:  # no greedy graphs to produce the target's text with: the prior alone
+        seen, accepted = [0] * (len(EDGES) + 1), [0] * (len(EDGES) + 1)
+    if progress:
+        print(f"adaptive: {len(latency)} step graphs timed ({', '.join(f'{t:.1f}' for t in latency)} ms), "
+              f"{sum(seen)} drafted nodes calibrated on {len(prompts)} prompts")
+    return {"sizes": family_sizes(tree), "graphs": [step_name(k, tree.size) for k in family_sizes(tree)],
+            "latency_ms": latency, "timed_mode": mode, "edges": list(EDGES), "seen": seen, "accepted": accepted,
+            "rates": [round(r, 4) for r in rates_from_counts(seen, accepted)],
+            "calibration": {"prompts": len(prompts), "new_tokens": new_tokens}}
+
+
+def report_lines(entry: dict) -> list[str]:
+    """`specc inspect`'s view of an adaptive engine: the family with its latencies, and the rates."""
+    lines = ["k  graph        ms/call"]
+    for k, name, ms in zip(entry["sizes"], entry["graphs"], entry["latency_ms"]):
+        lines.append(f"{k:<2} {name:<12} {ms:.2f}")
+    lo = [0.0] + entry["edges"]
+    hi = entry["edges"] + [1.0]
+    lines.append("confidence -> acceptance rate (seen on calibration text): " + ", ".join(
+        f"[{a:.2f},{b:.2f}) {r:.2f} ({n})" for a, b, r, n in zip(lo, hi, entry["rates"], entry["seen"])))
+    return lines

@@ -1,0 +1,118 @@
+"""Adaptive verification (specc/adaptive.py): the choice of step graph, the ngram drafter's
+confidences against a brute-force count, and an adaptive engine end to end (greedy identity, the
+manifest's family, `specc inspect`). The sampling test is in test_sampling.py."""
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import specc
+from specc.adaptive import bucket, choose, expected_tokens, prefix, rates_from_counts, step_name
+from specc.drafters.ngram import ngram_confidences, ngram_continuations, ngram_tree_drafts
+from specc.errors import SpeccError
+from specc.tree import chain, parse_tree
+from tiny import tiny_model
+
+LATENCY = [1.0, 1.3, 1.6, 1.9]  # plain, 2, 3, 4 nodes
+RATES = [0.1, 0.3, 0.5, 0.7, 0.9, 0.95]  # by confidence bucket
+
+
+def test_choice_follows_confidence():
+    tree = chain(3)
+    assert choose(tree, LATENCY, RATES, [0.0, 0.0, 0.0]) == 1  # no evidence: plain decoding
+    assert choose(tree, LATENCY, RATES, [0.5, 0.5, 0.5]) == 2
+    assert choose(tree, LATENCY, RATES, [0.9, 0.9, 0.9]) == 4  # sure: the whole chain
+    assert choose(tree, LATENCY, RATES, [0.9, 0.0, 0.0]) == 2  # sure of the first draft only
+    # Flat latencies (a GPU's c(T) ~ 1): any evidence at all pays for the whole tree.
+    assert choose(tree, [1.0] * 4, RATES, [0.0, 0.0, 0.0]) == 4
+
+
+def test_expected_tokens_of_a_tree_prefix():
+    tree = parse_tree("topk:2,2")  # root; two children; their two children each
+    rates = [1.0] + [0.5] * (tree.size - 1)
+    assert expected_tokens(tree, rates, 1) == 1.0
+    assert expected_tokens(tree, rates, 3) == pytest.approx(1 + 0.5 + 0.5)
+    assert expected_tokens(tree, rates, tree.size) == pytest.approx(1 + 2 * 0.5 + 4 * 0.25)
+    for k in range(1, tree.size + 1):  # every prefix is a tree, its nodes in the same order
+        sub = prefix(tree, k)
+        assert sub.paths == tree.paths[:k] and sub.parents == tree.parents[:k]
+    assert [step_name(k, 4) for k in range(1, 5)] == ["plain", "step2", "step3", "step"]
+
+
+def test_rates_and_buckets():
+    assert rates_from_counts([0, 8], [0, 8]) == [0.5, 0.9]
+    assert bucket(0.0) == 0 and bucket(1.0) == len(RATES) - 1
+    assert all(bucket(a) <= bucket(b) for a, b in zip(np.linspace(0, 1, 50), np.linspace(0, 1, 50)[1:]))
+
+
+def brute_confidences(tokens: list[int], tree, drafts, max_ngram, min_ngram, cap):
+    n = len(tokens)
+    for size in range(min(max_ngram, n - 1), min_ngram - 1, -1):
+        ends = [i + size for i in range(n - size) if tokens[i: i + size] == tokens[n - size:]][::-1][:cap]
+        if ends:
+            break
+    else:
+        return [0.0] * (tree.size - 1)
+    paths = {0: ()}
+    out = []
+    for i in range(1, tree.size):
+        paths[i] = paths[tree.parents[i]] + (drafts[i - 1],)
+        agree = lambda p: sum(tuple(tokens[e: e + len(p)]) == p for e in ends)  # noqa: E731
+        out.append(agree(paths[i]) / (agree(paths[tree.parents[i]]) + 1))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=2, max_size=40), st.sampled_from(["chain:3", "topk:2,2", "topk:3,1"]))
+def test_ngram_confidences_match_a_brute_force_count(tokens, spec):
+    from specc.drafters.ngram import MAX_OCCURRENCES
+
+    tree = parse_tree(spec)
+    arr = np.array(tokens, dtype=np.int64)
+    drafts = ngram_tree_drafts(ngram_continuations(arr, tree.max_depth, 4, 1), tree, tokens[-1])
+    got = ngram_confidences(arr, tree, drafts, 4, 1)
+    assert got == pytest.approx(brute_confidences(tokens, tree, drafts, 4, 1, MAX_OCCURRENCES))
+    assert all(0.0 <= c < 1.0 for c in got)
+
+
+@pytest.fixture(scope="module")
+def adaptive_engine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adaptive")
+    tiny_model("llama", vocab=64, layers=2, seed=0, scale=4.0).save_pretrained(root / "target")
+    path = specc.compile(root / "target", drafter="ngram", tree="chain:3", backend="eager", adaptive=True,
+                         output_dir=root / "engine", max_len=128, prefill_chunk=4, progress=False, modes="greedy")
+    return path
+
+
+def test_adaptive_engine_is_greedy_identical_and_records_its_choices(adaptive_engine):
+    manifest = json.loads((adaptive_engine / "specc.json").read_text())
+    fam = manifest["adaptive"]
+    assert fam["sizes"] == [1, 2, 3, 4] and fam["graphs"] == ["plain", "step2", "step3", "step"]
+    assert len(fam["latency_ms"]) == 4 and all(t > 0 for t in fam["latency_ms"])
+    assert sum(fam["seen"]) > 0 and len(fam["rates"]) == len(fam["seen"])
+    assert {"step2_greedy", "step3_greedy", "step_greedy", "plain_greedy"} <= set(manifest["graphs"])
+    engine = specc.load(adaptive_engine)
+    engine.adaptive = {**engine.adaptive, "latency_ms": LATENCY, "rates": RATES}
+    prompt = [3, 5, 2, 7, 9, 3, 5, 2, 7, 9, 3, 5, 2, 11, 4]
+    plain = engine.generate(prompt, max_new_tokens=48, stop_at_eos=False, speculate=False)
+    fast = engine.generate(prompt, max_new_tokens=48, stop_at_eos=False)
+    assert fast.token_ids == plain.token_ids
+    assert sum(fast.stats.verified_sizes.values()) == fast.stats.steps
+    assert fast.stats.as_dict()["verified_sizes"]  # reported by `specc run --json`
+
+
+def test_inspect_shows_the_family(adaptive_engine, specc_cli):
+    out = specc_cli("inspect", adaptive_engine)
+    assert out.returncode == 0, out.stderr
+    assert "adaptive" in out.stdout and "step2" in out.stdout and "acceptance rate" in out.stdout
+
+
+@pytest.mark.parametrize("options, words", [({"drafter": "draft-model"}, "--adaptive needs a drafter"),
+                                            ({"drafter": "ngram", "backend": "tensorrt", "device": "cuda"},
+                                             "--adaptive times its step graphs")])
+def test_adaptive_refusals(tmp_path, options, words):
+    from specc.config import CompileConfig
+
+    with pytest.raises(SpeccError, match=words):
+        CompileConfig(output_dir=tmp_path / "e", adaptive=True, **options)
