@@ -25,12 +25,13 @@ import torch
 from tqdm import tqdm
 
 from .errors import SpeccError
-from .tree import Tree, expected_tokens, measure_acceptance, pick_tree, sequoia, tree_from_paths
+from .tree import Tree, chain, expected_tokens, measure_acceptance, pick_tree, sequoia, tree_from_paths
 
 WIDTH = 4  # ranks measured per depth
 PROMPTS = 6
 NEW_TOKENS = 64
 AUTO_BUDGETS = (2, 4, 8, 16, 32)
+PLAIN = "plain"  # auto's candidate without drafts
 
 
 def comb(depth: int, width: int) -> Tree:
@@ -66,16 +67,17 @@ class Measured:
         return self.tokens / self.wall_s if self.wall_s else 0.0
 
 
-def run_prompts(engine, prompts, new_tokens: int | None = None) -> Measured:
-    """Greedy generation over the prompts (a first short warm-up call is not counted)."""
+def run_prompts(engine, prompts, new_tokens: int | None = None, speculate: bool = True) -> Measured:
+    """Greedy generation over the prompts (a first short warm-up call is not counted); with
+    speculate=False, plain decoding through the same engine."""
     chat = engine.tokenizer is not None and bool(getattr(engine.tokenizer, "chat_template", None))
     new_tokens = max(2, min(NEW_TOKENS if new_tokens is None else new_tokens, engine.max_len // 2))
     # The prompt's tail, so that prompt + new tokens fit --max-len.
     inputs = [engine.encode(p, chat)[-(engine.max_len - new_tokens):] for p in prompts]
-    engine.generate(inputs[0], max_new_tokens=4)
+    engine.generate(inputs[0], max_new_tokens=4, speculate=speculate)
     m = Measured()
     for ids in inputs:
-        res = engine.generate(ids, max_new_tokens=new_tokens, stop_at_eos=False)
+        res = engine.generate(ids, max_new_tokens=new_tokens, stop_at_eos=False, speculate=speculate)
         m.records += res.stats.rank_paths
         m.steps += res.stats.steps
         m.tokens += res.stats.new_tokens - 1  # the first token comes from prefill
@@ -141,19 +143,24 @@ def _auto(acceptance, depth: int, build, work: Path, report: dict, progress: boo
         engine = build(_tree_file(tree, work, f"candidate-{tree.size}"), None, out)
         if prompts is None:
             prompts = calibration_inputs(engine.tokenizer, engine.manifest["target"]["vocab_size"])
-        t0 = time.perf_counter()
-        m = run_prompts(engine, prompts)
-        step_s[tree.size] = m.wall_s / m.steps
-        measured[spec] = {"tau": round(m.tau, 4), "tokens_per_s": round(m.tokens_per_s, 3),
-                          "seconds": round(time.perf_counter() - t0, 2)}
+        runs = [(spec, tree.size, True)] + ([(PLAIN, 1, False)] if PLAIN not in measured else [])
+        for name, size, speculate in runs:  # plain decoding is a candidate too, timed on the first engine
+            t0 = time.perf_counter()
+            m = run_prompts(engine, prompts, speculate=speculate)
+            step_s[size] = m.wall_s / m.steps
+            measured[name] = {"tau": round(m.tau, 4), "tokens_per_s": round(m.tokens_per_s, 3),
+                              "seconds": round(time.perf_counter() - t0, 2)}
         dirs[spec] = out
     bar.close()
-    best, rows = pick_tree(candidates, acceptance, step_s)
+    best, rows = pick_tree([(PLAIN, chain(0))] + candidates, acceptance, step_s)
     for row in rows:
         row.update({f"measured_{k}": v for k, v in measured[row["tree"]].items() if k != "seconds"})
     report["candidates"] = rows
-    report["picked"] = candidates[best][0]
-    return candidates[best][1], report, dirs[candidates[best][0]]
+    # When plain decoding wins, the engine is the smallest candidate marked to decode plainly
+    # (Engine.speculates): an auto engine is never slower than plain on its calibration prompts.
+    report["picked"] = PLAIN if best == 0 else candidates[best - 1][0]
+    spec, tree = candidates[max(best - 1, 0)]
+    return tree, report, dirs[spec]
 
 
 def staging(parent: Path, name: str) -> Path:

@@ -105,6 +105,9 @@ class Engine:
         # Adaptive verification (specc/adaptive.py): the family's latencies and the calibrated rates.
         entry = manifest.get("adaptive") or {}
         self.adaptive = entry if "latency_ms" in entry else None
+        # `--tree auto` found plain decoding fastest on its calibration prompts: the engine decodes
+        # plainly unless it chooses per step (adaptive).
+        self.speculates = manifest["tree"].get("picked") != "plain" or self.adaptive is not None
 
     def signatures(self, mode: str) -> tuple[StepSignature, StepSignature, StepSignature]:
         """The plain, step and fused graphs' calling conventions in `mode`."""
@@ -161,7 +164,7 @@ class Engine:
         run = Run(committed=list(ids), base_len=L, budget=min(max_new_tokens, self.max_len - L), produced=0,
                   temperature=dev(float(temperature)), top_p=dev(float(top_p)), mode=mode,
                   graphs=self._mode_graphs(mode), signatures=self.signatures(mode), table=table)
-        drafter = self.drafter if speculate else None
+        drafter = self.drafter if speculate and self.speculates else None
         step = (self._plain_step if drafter is None else
                 self._fused_step if self.use_fused and "fused" in run.graphs else self._speculative_step)
         t0 = time.perf_counter()

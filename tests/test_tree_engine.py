@@ -134,12 +134,38 @@ def test_auto_reports_candidates(tmp_path, quick_calibration):
                          output_dir=tmp_path / "e", max_len=96, prefill_chunk=8, progress=False, modes="greedy")
     tree = json.loads((path / "specc.json").read_text())["tree"]
     rows = tree["candidates"]
-    assert tree["spec"] == "auto" and len(rows) >= 2
+    assert tree["spec"] == "auto" and len(rows) >= 3 and rows[0]["tree"] == "plain" and rows[0]["nodes"] == 1
     best = max(rows, key=lambda r: (r["expected_tokens_per_s"], -r["nodes"]))
-    assert tree["picked"] == best["tree"] and len(tree["paths"]) == best["nodes"]
+    assert tree["picked"] == best["tree"]
+    assert len(tree["paths"]) == (best["nodes"] if best["tree"] != "plain" else rows[1]["nodes"])
     assert all(r["measured_tokens_per_s"] > 0 and r["step_ms"] > 0 for r in rows)
     engine = specc.load(path)
+    assert engine.speculates == (best["tree"] != "plain")
     assert engine.generate(PROMPT, max_new_tokens=20, stop_at_eos=False).token_ids == hf_greedy(model, PROMPT, 20)
+
+
+def test_auto_keeps_plain_decoding_when_it_is_fastest(tmp_path, quick_calibration, monkeypatch):
+    """Plain decoding is one of auto's candidates: where every tree is slower on the calibration
+    prompts (here, a tree's steps are made to look 10x slower), the engine decodes plainly."""
+    import specc.calibrate as cal
+
+    real = cal.run_prompts
+
+    def slow_trees(engine, prompts, new_tokens=None, speculate=True):
+        m = real(engine, prompts, new_tokens, speculate)
+        m.wall_s *= 10 if speculate else 1
+        return m
+
+    monkeypatch.setattr(cal, "run_prompts", slow_trees)
+    model, dpath, _ = mtp_target(tmp_path)
+    path = specc.compile(tmp_path / "m", drafter="mtp", drafter_path=dpath, tree="auto",
+                         output_dir=tmp_path / "e", max_len=96, prefill_chunk=8, progress=False, modes="greedy")
+    tree = json.loads((path / "specc.json").read_text())["tree"]
+    assert tree["picked"] == "plain"
+    engine = specc.load(path)
+    res = engine.generate(PROMPT, max_new_tokens=20, stop_at_eos=False)
+    assert not engine.speculates and res.stats.verified_sizes == {1: res.stats.steps}
+    assert res.token_ids == hf_greedy(model, PROMPT, 20)
 
 
 def test_measured_tree_refusals(tmp_path):

@@ -1,0 +1,116 @@
+"""Adaptive verification against the fixed tree and plain decoding, side by side in one run.
+
+For each tree in --trees, an ngram engine with that tree (the fixed path) and one compiled with
+--adaptive (the same tree as a family of step graphs) on the same backend; on each prompt set,
+each prompt runs plain (through the first engine), fixed and adaptive back to back, --rounds
+times, the order rotated every round. Figures: per method the median over rounds of the median
+tokens/s over prompts (decode and prefill, the whole generate() call), tau, and how often the
+adaptive engines verified each size of tree (1 = plain). Greedy outputs are checked identical.
+
+Usage: python examples/bench_adaptive.py [--trees chain:4,chain:8] [--backend inductor] [--limit 10]
+           [--max-new-tokens 128] [--rounds 3] [--datasets humaneval,mt-bench] [--engines DIR]
+           [--write BENCHMARKS.md] [--json]
+Compiled engines are reused by directory name (after changing the compiler, use a new --engines).
+Prints the run; writes it (under History, newest first, Current figures regenerated) only with --write.
+"""
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import specc
+from specc import benchfile
+from specc.data import load_prompts
+from specc.models import quiet_libraries
+
+
+def engine_dir(root: Path, tree: str, backend: str, adaptive: bool, progress: bool) -> Path:
+    out = root / f"ngram-{tree.replace(':', '')}-{backend}{'-adaptive' if adaptive else ''}"
+    if not (out / "specc.json").is_file():
+        specc.compile(None, drafter="ngram", tree=tree, backend=backend, adaptive=adaptive, output_dir=out,
+                      max_len=1024, modes="greedy", progress=progress)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    benchfile.add_arguments(ap, limit=10, max_new_tokens=128)
+    ap.add_argument("--trees", default="chain:4,chain:8")
+    ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--datasets", default="humaneval,mt-bench")
+    ap.add_argument("--engines", default="engines/bench-adaptive")
+    a = ap.parse_args()
+    if a.rounds < 1 or a.limit < 1:
+        raise SystemExit("--rounds and --limit must be at least 1.")
+    cmd = benchfile.command_line()
+    trees = a.trees.split(",")
+    engines = {}
+    for tree in trees:
+        for adaptive in (False, True):
+            name = f"ngram {tree}{' adaptive' if adaptive else ''}"
+            engines[name] = specc.load(engine_dir(Path(a.engines), tree, a.backend, adaptive, not a.json))
+    plain_engine = next(iter(engines.values()))
+    methods = ["plain"] + list(engines)
+    model = plain_engine.manifest["target"]["name"]
+
+    figures, lines = [], []
+    for ds in a.datasets.split(","):
+        ids = [plain_engine.encode(p, chat=True) for p in load_prompts(ds, a.limit)]
+        ids = [x for x in ids if len(x) + a.max_new_tokens <= plain_engine.max_len]
+
+        def run(method, x, n):
+            eng = plain_engine if method == "plain" else engines[method]
+            return eng.generate(x, max_new_tokens=n, speculate=method != "plain", stop_at_eos=False)
+
+        for m in methods:  # warm-up
+            run(m, ids[0], 8)
+        tps = {m: [[] for _ in range(a.rounds)] for m in methods}
+        tau = {m: [0, 0] for m in methods}
+        sizes = {m: {} for m in methods}
+        identical = {m: 0 for m in methods}
+        for rnd in range(a.rounds):
+            order = methods[rnd % len(methods):] + methods[: rnd % len(methods)]
+            for x in ids:
+                outs = {}
+                for m in order:
+                    r = run(m, x, a.max_new_tokens)
+                    tps[m][rnd].append(r.stats.tokens_per_s)
+                    outs[m] = r.token_ids
+                    if rnd == 0:
+                        tau[m][0] += r.stats.new_tokens - 1
+                        tau[m][1] += r.stats.steps
+                        for k, v in r.stats.verified_sizes.items():
+                            sizes[m][k] = sizes[m].get(k, 0) + v
+                for m in methods:
+                    identical[m] += rnd == 0 and outs[m] == outs["plain"]
+        med = {m: statistics.median(statistics.median(r) for r in tps[m]) for m in methods}
+        lines += [f"#### {ds} ({len(ids)} prompts)\n", "| method | tau | tokens/s (median) | vs plain | steps by verified "
+                  "size (1 = plain) | greedy identical |", "|---|---|---|---|---|---|"]
+        for m in methods:
+            t = tau[m][0] / tau[m][1] if tau[m][1] else None
+            shown = ", ".join(f"{k}: {v}" for k, v in sorted(sizes[m].items()))
+            lines.append(f"| {m} | {t:.2f} | {med[m]:.2f} | {med[m] / med['plain']:.2f}x | {shown} | "
+                         f"{identical[m]}/{len(ids)} |")
+            figures.append(benchfile.figure(benchfile.PLAIN if m == "plain" else f"{m} ({a.backend})", ds, model=model,
+                                            tau=t if m != "plain" else None, tokens_per_s=med[m],
+                                            vs_plain=med[m] / med["plain"], new_tokens=a.max_new_tokens,
+                                            prompts=len(ids)))
+        lines.append("")
+        for m, eng in engines.items():
+            fam = eng.adaptive
+            if fam:
+                lines.append(f"{m}: family latencies (ms, plain first) {fam['latency_ms']}; rates by confidence bucket "
+                             f"{fam['rates']} (seen {fam['seen']}).")
+        lines.append("")
+    setup = (f"SmolLM2-135M-Instruct, fp32, {a.backend} backend, greedy, {a.max_new_tokens} new tokens per prompt, first "
+             f"{a.limit} prompts of each set, chat template on, EOS ignored; warm-up excluded; each prompt runs every "
+             f"method back to back, {a.rounds} rounds, order rotated; figure = median over rounds of the median over "
+             f"prompts of tokens/s (whole generate() call); tau and verified sizes from the first round.")
+    return benchfile.finish(a, benchfile.new_run("Adaptive verification", figures, command=cmd), setup,
+                            "\n".join(lines))
+
+
+if __name__ == "__main__":
+    quiet_libraries()
+    sys.exit(main())
