@@ -3,12 +3,13 @@
 An adaptive engine holds a family of step graphs: the tree's first k nodes for k = 2 .. T (nodes
 are ordered by depth, so every such prefix is a tree, closed under parents), and plain decoding
 (k = 1). At compile time each is timed on the machine that compiles it, and the drafter's
-confidence in a node (a number in [0, 1] that the drafter computes from what it drafted, e.g. ngram
-match statistics) is calibrated into an acceptance rate on calibration prompts. Per step the
-runtime takes the drafts and their confidences and runs the member with the most expected tokens
-per second:
+confidence in a node is calibrated into an acceptance rate on calibration prompts. A confidence is
+a class for the whole proposal (ngram: the length of the matched suffix) and a number in [0, 1]
+per node (ngram: how many earlier occurrences agree); the rate is measured per class and bucket
+of the number. Per step the runtime takes the drafts and their confidences and runs the member
+with the most expected tokens per second:
 
-    E[tokens | k] = 1 + sum over nodes 1..k-1 of prod over the node's path of rate(confidence)
+    E[tokens | k] = 1 + sum over nodes 1..k-1 of prod over the node's path of rate(class, confidence)
     choice        = argmax_k E[tokens | k] / latency_k
 
 Lossless by construction: the choice depends only on text already committed, never on the step's
@@ -50,9 +51,14 @@ def bucket(confidence: float) -> int:
     return bisect.bisect_right(EDGES, confidence)
 
 
-def rates_from_counts(seen: list[int], accepted: list[int]) -> list[float]:
+def rates_from_counts(seen: list[list[int]], accepted: list[list[int]]) -> list[list[float]]:
+    """Acceptance rate per class and bucket, with a Laplace prior (an unseen cell reads 0.5)."""
     a, b = PRIOR
-    return [(acc + a) / (n + b) for n, acc in zip(seen, accepted)]
+    return [[(acc + a) / (n + b) for n, acc in zip(ns, accs)] for ns, accs in zip(seen, accepted)]
+
+
+def empty_counts(classes: int) -> list[list[int]]:
+    return [[0] * (len(EDGES) + 1) for _ in range(classes)]
 
 
 def expected_tokens(tree: Tree, rates: list[float], k: int) -> float:
@@ -64,10 +70,11 @@ def expected_tokens(tree: Tree, rates: list[float], k: int) -> float:
     return 1.0 + math.fsum(reach[1:])
 
 
-def choose(tree: Tree, latency_ms: list[float], table: list[float], confidences: list[float]) -> int:
+def choose(tree: Tree, latency_ms: list[float], table: list[list[float]], confidence: tuple[int, list[float]]) -> int:
     """The family member (node count k, 1 = plain) with the most expected tokens per millisecond,
-    given the drafter's confidence in each non-root node; the smaller one on a tie."""
-    rates = [1.0] + [table[bucket(c)] for c in confidences]
+    given the drafter's confidence (class, a number per non-root node); the smaller one on a tie."""
+    cls, values = confidence
+    rates = [1.0] + [table[cls][bucket(c)] for c in values]
     best, best_k = -1.0, 1
     for k in range(1, len(latency_ms) + 1):
         score = expected_tokens(tree, rates, k) / latency_ms[k - 1]
@@ -107,10 +114,11 @@ def time_family(engine, mode: str = "greedy") -> list[float]:
     return [round(statistics.median(t), 4) for t in times]
 
 
-def calibrate_confidence(engine, drafter, prompts: list[list[int]], new_tokens: int) -> tuple[list[int], list[int]]:
-    """How often a node whose parent was right is right itself, by confidence bucket: the target's
-    own greedy text on the prompts, and at every position what the drafter would have drafted there."""
-    seen, accepted = [0] * (len(EDGES) + 1), [0] * (len(EDGES) + 1)
+def calibrate_confidence(engine, drafter, prompts: list[list[int]], new_tokens: int, classes: int):
+    """How often a node whose parent was right is right itself, by confidence class and bucket: the
+    target's own greedy text on the prompts, and at every position what the drafter would have
+    drafted there. Returns (seen, accepted), each [classes][buckets]."""
+    seen, accepted = empty_counts(classes), empty_counts(classes)
     tree = engine.tree
     for ids in prompts:
         out = engine.generate(ids, max_new_tokens=new_tokens, speculate=False, stop_at_eos=False).token_ids
@@ -123,35 +131,37 @@ def calibrate_confidence(engine, drafter, prompts: list[list[int]], new_tokens: 
             if not found:
                 continue
             right = [True] + [False] * (tree.size - 1)
-            for i, c in enumerate(drafter.confidences(), start=1):
+            cls, values = drafter.confidences()
+            for i, c in enumerate(values, start=1):
                 pos = p - 1 + tree.depths[i]
                 if not right[tree.parents[i]] or pos >= len(text):
                     continue
                 right[i] = drafts[i - 1] == text[pos]
-                seen[bucket(c)] += 1
-                accepted[bucket(c)] += right[i]
+                seen[cls][bucket(c)] += 1
+                accepted[cls][bucket(c)] += right[i]
     return seen, accepted
 
 
-def measure(engine, drafter, texts: list[list[int]], progress: bool = False) -> dict:
+def measure(engine, drafter, classes: int, texts: list[list[int]], progress: bool = False) -> dict:
     """The manifest's `adaptive` entry for a freshly built engine: the family, each member's
-    latency on this machine, and the acceptance rate by confidence bucket, calibrated on the
-    target's greedy text after each of `texts` (token ids) with `drafter` (a fresh runtime drafter)."""
+    latency on this machine, and the acceptance rate by confidence class and bucket, calibrated on
+    the target's greedy text after each of `texts` (token ids) with `drafter` (a fresh runtime
+    drafter whose confidences come in `classes` classes)."""
     tree = engine.tree
     mode = "greedy" if "greedy" in engine.modes else engine.modes[0]
     latency = time_family(engine, mode)
     new_tokens = max(2, min(CALIBRATION_TOKENS, engine.max_len // 2))
     prompts = [ids[-(engine.max_len - new_tokens):] for ids in texts]
     if "greedy" in engine.modes:
-        seen, accepted = calibrate_confidence(engine, drafter, prompts, new_tokens)
+        seen, accepted = calibrate_confidence(engine, drafter, prompts, new_tokens, classes)
     else:  # no greedy graphs to produce the target's text with: the prior alone
-        seen, accepted = [0] * (len(EDGES) + 1), [0] * (len(EDGES) + 1)
+        seen, accepted = empty_counts(classes), empty_counts(classes)
     if progress:
         print(f"adaptive: {len(latency)} step graphs timed ({', '.join(f'{t:.1f}' for t in latency)} ms), "
-              f"{sum(seen)} drafted nodes calibrated on {len(prompts)} prompts")
+              f"{sum(map(sum, seen))} drafted nodes calibrated on {len(prompts)} prompts")
     return {"sizes": family_sizes(tree), "graphs": [step_name(k, tree.size) for k in family_sizes(tree)],
             "latency_ms": latency, "timed_mode": mode, "edges": list(EDGES), "seen": seen, "accepted": accepted,
-            "rates": [round(r, 4) for r in rates_from_counts(seen, accepted)],
+            "rates": [[round(r, 4) for r in row] for row in rates_from_counts(seen, accepted)],
             "calibration": {"prompts": len(prompts), "new_tokens": new_tokens}}
 
 
@@ -162,6 +172,8 @@ def report_lines(entry: dict) -> list[str]:
         lines.append(f"{k:<2} {name:<12} {ms:.2f}")
     lo = [0.0] + entry["edges"]
     hi = entry["edges"] + [1.0]
-    lines.append("confidence -> acceptance rate (seen on calibration text): " + ", ".join(
-        f"[{a:.2f},{b:.2f}) {r:.2f} ({n})" for a, b, r, n in zip(lo, hi, entry["rates"], entry["seen"])))
+    lines.append("acceptance rate by confidence class and bucket (nodes seen on calibration text):")
+    lines.append("class  " + " ".join(f"[{a:.2f},{b:.2f})" for a, b in zip(lo, hi)))
+    for c, (rates, seen) in enumerate(zip(entry["rates"], entry["seen"])):
+        lines.append(f"{c:<6} " + " ".join(f"{r:.2f} ({n:>4})".ljust(11) for r, n in zip(rates, seen)))
     return lines

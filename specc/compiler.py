@@ -127,9 +127,9 @@ def measure_family(stage: Path, progress: bool) -> None:
     chat = engine.tokenizer is not None and bool(getattr(engine.tokenizer, "chat_template", None))
     texts = [engine.encode(p, chat) for p in calibrate.calibration_inputs(engine.tokenizer, m["target"]["vocab_size"],
                                                                           adaptive.CALIBRATION_PROMPTS)]
-    drafter = get_kind(m["drafter"]["kind"]).runtime(engine.graphs, engine.tree, m["drafter"], engine.chunk,
-                                                     engine.device)
-    m["adaptive"] = adaptive.measure(engine, drafter, texts, progress)
+    kind = get_kind(m["drafter"]["kind"])
+    drafter = kind.runtime(engine.graphs, engine.tree, m["drafter"], engine.chunk, engine.device)
+    m["adaptive"] = adaptive.measure(engine, drafter, kind.confidence_classes(m["drafter"]), texts, progress)
     (stage / MANIFEST).write_text(json.dumps(m, indent=1, default=str))
 
 

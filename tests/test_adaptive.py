@@ -15,17 +15,20 @@ from specc.tree import chain, parse_tree
 from tiny import tiny_model
 
 LATENCY = [1.0, 1.3, 1.6, 1.9]  # plain, 2, 3, 4 nodes
-RATES = [0.1, 0.3, 0.5, 0.7, 0.9, 0.95]  # by confidence bucket
+RATES = [[0.1, 0.3, 0.5, 0.7, 0.9, 0.95]]  # one class, by confidence bucket
 
 
 def test_choice_follows_confidence():
     tree = chain(3)
-    assert choose(tree, LATENCY, RATES, [0.0, 0.0, 0.0]) == 1  # no evidence: plain decoding
-    assert choose(tree, LATENCY, RATES, [0.5, 0.5, 0.5]) == 2
-    assert choose(tree, LATENCY, RATES, [0.9, 0.9, 0.9]) == 4  # sure: the whole chain
-    assert choose(tree, LATENCY, RATES, [0.9, 0.0, 0.0]) == 2  # sure of the first draft only
+    assert choose(tree, LATENCY, RATES, (0, [0.0, 0.0, 0.0])) == 1  # no evidence: plain decoding
+    assert choose(tree, LATENCY, RATES, (0, [0.5, 0.5, 0.5])) == 2
+    assert choose(tree, LATENCY, RATES, (0, [0.9, 0.9, 0.9])) == 4  # sure: the whole chain
+    assert choose(tree, LATENCY, RATES, (0, [0.9, 0.0, 0.0])) == 2  # sure of the first draft only
     # Flat latencies (a GPU's c(T) ~ 1): any evidence at all pays for the whole tree.
-    assert choose(tree, [1.0] * 4, RATES, [0.0, 0.0, 0.0]) == 4
+    assert choose(tree, [1.0] * 4, RATES, (0, [0.0, 0.0, 0.0])) == 4
+    # The class picks the row: the same numbers from a weaker kind of match verify less.
+    two = [[0.05] * 6, RATES[0]]
+    assert choose(tree, LATENCY, two, (0, [0.9, 0.9, 0.9])) == 1 and choose(tree, LATENCY, two, (1, [0.9] * 3)) == 4
 
 
 def test_expected_tokens_of_a_tree_prefix():
@@ -41,8 +44,8 @@ def test_expected_tokens_of_a_tree_prefix():
 
 
 def test_rates_and_buckets():
-    assert rates_from_counts([0, 8], [0, 8]) == [0.5, 0.9]
-    assert bucket(0.0) == 0 and bucket(1.0) == len(RATES) - 1
+    assert rates_from_counts([[0, 8]], [[0, 8]]) == [[0.5, 0.9]]
+    assert bucket(0.0) == 0 and bucket(1.0) == len(RATES[0]) - 1
     assert all(bucket(a) <= bucket(b) for a, b in zip(np.linspace(0, 1, 50), np.linspace(0, 1, 50)[1:]))
 
 
@@ -53,14 +56,14 @@ def brute_confidences(tokens: list[int], tree, drafts, max_ngram, min_ngram, cap
         if ends:
             break
     else:
-        return [0.0] * (tree.size - 1)
+        return 0, [0.0] * (tree.size - 1)
     paths = {0: ()}
     out = []
     for i in range(1, tree.size):
         paths[i] = paths[tree.parents[i]] + (drafts[i - 1],)
         agree = lambda p: sum(tuple(tokens[e: e + len(p)]) == p for e in ends)  # noqa: E731
         out.append(agree(paths[i]) / (agree(paths[tree.parents[i]]) + 1))
-    return out
+    return size - 1, out
 
 
 @settings(max_examples=200, deadline=None)
@@ -71,9 +74,10 @@ def test_ngram_confidences_match_a_brute_force_count(tokens, spec):
     tree = parse_tree(spec)
     arr = np.array(tokens, dtype=np.int64)
     drafts = ngram_tree_drafts(ngram_continuations(arr, tree.max_depth, 4, 1), tree, tokens[-1])
-    got = ngram_confidences(arr, tree, drafts, 4, 1)
-    assert got == pytest.approx(brute_confidences(tokens, tree, drafts, 4, 1, MAX_OCCURRENCES))
-    assert all(0.0 <= c < 1.0 for c in got)
+    cls, got = ngram_confidences(arr, tree, drafts, 4, 1)
+    want_cls, want = brute_confidences(tokens, tree, drafts, 4, 1, MAX_OCCURRENCES)
+    assert cls == want_cls and got == pytest.approx(want)
+    assert all(0.0 <= c < 1.0 for c in got) and 0 <= cls < 4
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +94,11 @@ def test_adaptive_engine_is_greedy_identical_and_records_its_choices(adaptive_en
     fam = manifest["adaptive"]
     assert fam["sizes"] == [1, 2, 3, 4] and fam["graphs"] == ["plain", "step2", "step3", "step"]
     assert len(fam["latency_ms"]) == 4 and all(t > 0 for t in fam["latency_ms"])
-    assert sum(fam["seen"]) > 0 and len(fam["rates"]) == len(fam["seen"])
+    assert sum(map(sum, fam["seen"])) > 0 and len(fam["rates"]) == len(fam["seen"]) == 4  # by matched length
+    assert manifest["drafter"]["min_ngram"] == 1  # adaptive: any match drafts, the rates decide
     assert {"step2_greedy", "step3_greedy", "step_greedy", "plain_greedy"} <= set(manifest["graphs"])
     engine = specc.load(adaptive_engine)
-    engine.adaptive = {**engine.adaptive, "latency_ms": LATENCY, "rates": RATES}
+    engine.adaptive = {**engine.adaptive, "latency_ms": LATENCY, "rates": RATES * 4}
     prompt = [3, 5, 2, 7, 9, 3, 5, 2, 7, 9, 3, 5, 2, 11, 4]
     plain = engine.generate(prompt, max_new_tokens=48, stop_at_eos=False, speculate=False)
     fast = engine.generate(prompt, max_new_tokens=48, stop_at_eos=False)

@@ -162,8 +162,8 @@ def test_adaptive_sampling_matches_target(models, tmp_path):
     engine = specc.load(path)
     # Latencies and rates fixed so that the choice follows the drafts' confidence (specc/adaptive.py):
     # confident -> the whole chain, half sure -> 2 nodes, no evidence -> plain.
-    engine.adaptive = {**engine.adaptive, "latency_ms": [1.0, 1.3, 1.6, 1.9], "rates": [0.1, 0.3, 0.5, 0.7, 0.9, 0.95]}
-    engine.drafter.min_ngram = 1  # a random model rarely repeats 3-grams: match single tokens, so most steps draft
+    # min_ngram is 1 in an adaptive engine: a random model rarely repeats 3-grams, single tokens do.
+    engine.adaptive = {**engine.adaptive, "latency_ms": [1.0, 1.3, 1.6, 1.9], "rates": [[0.1, 0.3, 0.5, 0.7, 0.9, 0.95]] * 4}
     samples, sizes = [], {}
     for seed in range(RUNS):
         r = engine.generate(prompt, max_new_tokens=NEW, temperature=1.0, seed=seed, stop_at_eos=False)

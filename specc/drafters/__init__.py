@@ -8,7 +8,8 @@ Constants:
     FILLS_TREES         whether it fills trees (else chains only)
     MEASURED_TREES      whether --tree sequoia:BUDGET / auto can measure its ranked candidates
     SAMPLED_CHILDREN    whether --children sampled applies
-    ADAPTIVE            whether --adaptive applies: its runtime side has confidences() (specc/adaptive.py)
+    ADAPTIVE            whether --adaptive applies (specc/adaptive.py): the kind then also has
+                        confidence_classes(entry) -> int, and its runtime side confidences()
     OPTIONS             the CompileConfig fields of drafter options it takes (drafter_path, ...)
 
 Functions (cfg: CompileConfig; target_hf: the Hugging Face target; weights: whatever `load` returns):
@@ -29,8 +30,9 @@ A RuntimeDrafter has the attributes `needs_rows` (it reads the target's taps: `a
 start)`) and `q` (the last proposal's q, with sampled children), and the methods start(prompt_ids, mode, temperature, top_p, table) (table:
 the generation's uniforms, signature.uniform_columns; None when greedy), propose(committed) ->
 (drafts, found) (drafts: a list of ints, or a tensor on the engine's device that never visits the
-host) and accepted(committed, n_accepted); with ADAPTIVE, also confidences() -> a number in [0, 1] per
-drafted node of the last proposal (the adaptive engine calibrates them into acceptance rates).
+host) and accepted(committed, n_accepted); with ADAPTIVE, also confidences() -> (class, [a number in
+[0, 1] per drafted node]) for the last proposal (the adaptive engine calibrates them into acceptance
+rates per class).
 """
 from __future__ import annotations
 

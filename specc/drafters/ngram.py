@@ -36,7 +36,14 @@ def calibration_options(cfg, weights) -> dict:
 
 
 def entry(cfg, weights, tree) -> dict:
-    return {"kind": NAME, "max_ngram": MAX_NGRAM, "min_ngram": MIN_NGRAM}
+    # Adaptive engines draft from any match: a weak one costs a plain step, since the runtime
+    # then verifies little or nothing (its rates are measured per matched length).
+    return {"kind": NAME, "max_ngram": MAX_NGRAM, "min_ngram": 1 if cfg.adaptive else MIN_NGRAM}
+
+
+def confidence_classes(entry: dict) -> int:
+    """Classes of its confidences (--adaptive): the matched suffix's length, 1 .. max_ngram."""
+    return entry["max_ngram"]
 
 
 def save(weights, folder, target_hf) -> None:
@@ -97,11 +104,12 @@ def _match_ends(tokens: np.ndarray, size: int) -> np.ndarray:
 
 
 def ngram_confidences(tokens: np.ndarray, tree: Tree, drafts: list[int], max_ngram: int = 4,
-                      min_ngram: int = 1) -> list[float]:
-    """The match statistics behind each drafted node, in [0, 1]: over the earlier occurrences of the
-    longest suffix that occurs before (up to MAX_OCCURRENCES, the most recent), the share of
-    those whose continuation agrees with the node's parent path that also agree with the node,
-    `agree(node) / (agree(parent) + 1)` (the +1: one occurrence is weak evidence). 0 where nothing matches."""
+                      min_ngram: int = 1) -> tuple[int, list[float]]:
+    """The match statistics behind each drafted node: the class, the length of the longest suffix
+    that occurs before, less 1 (0 when nothing matches); and per node, in [0, 1], over that suffix's
+    earlier occurrences (up to MAX_OCCURRENCES, the most recent) the share of those whose
+    continuation agrees with the node's parent path that also agree with the node,
+    `agree(node) / (agree(parent) + 1)` (the +1: one occurrence is weak evidence)."""
     n, conts = len(tokens), None
     for size in range(min(max_ngram, n - 1), min_ngram - 1, -1):
         ends = _match_ends(tokens, size)
@@ -109,7 +117,7 @@ def ngram_confidences(tokens: np.ndarray, tree: Tree, drafts: list[int], max_ngr
             conts = [tokens[e: e + tree.max_depth] for e in ends[:MAX_OCCURRENCES]]
             break
     if conts is None:
-        return [0.0] * (tree.size - 1)
+        return 0, [0.0] * (tree.size - 1)
     path_tokens = [()] + [None] * (tree.size - 1)
     agree = [len(conts)] + [0] * (tree.size - 1)
     out = []
@@ -119,7 +127,7 @@ def ngram_confidences(tokens: np.ndarray, tree: Tree, drafts: list[int], max_ngr
         d = tree.depths[i]
         agree[i] = sum(1 for c in conts if len(c) >= d and tuple(c[:d].tolist()) == path_tokens[i])
         out.append(agree[i] / (agree[parent] + 1))
-    return out
+    return size - 1, out
 
 
 def ngram_tree_drafts(continuations: list[list[int]], tree: Tree, root: int) -> list[int]:
@@ -166,8 +174,8 @@ class NgramDrafter:
         self.drafts = ngram_tree_drafts(conts, self.tree, committed[-1])
         return self.drafts, len(conts) > 0
 
-    def confidences(self) -> list[float]:
-        """The last proposal's confidence in each drafted node (ngram_confidences), for --adaptive."""
+    def confidences(self) -> tuple[int, list[float]]:
+        """The last proposal's confidence class and per-node confidences (ngram_confidences), for --adaptive."""
         return ngram_confidences(self.buf, self.tree, self.drafts, self.max_ngram, self.min_ngram)
 
     def accepted(self, committed: list[int], n_accepted: int) -> None:
