@@ -87,18 +87,18 @@ def choose(tree: Tree, latency_ms: list[float], table: list[list[float]], confid
 
 def time_family(engine, mode: str = "greedy") -> list[float]:
     """Milliseconds per call of each family member (plain first), interleaved rounds, medians. The
-    graphs run on zeros: their shapes are static, so the cost does not depend on the values."""
+    graphs run on constant inputs: their shapes are static, so the cost does not depend on the values."""
     import torch
 
-    graphs = {name: engine.graphs[name] for name in engine.graphs if name.endswith("_" + mode) or name == mode}
     sizes = family_sizes(engine.tree)
     calls = []
     for k in sizes:
         key = f"{step_name(k, engine.tree.size)}_{mode}"
-        spec = engine.manifest["graphs"][key]["inputs"]
-        args = tuple(torch.zeros(s, dtype=getattr(torch, d.replace("torch.", "")), device=engine.device)
-                     for s, d in spec)
-        calls.append((graphs[key], args))
+        # zeros for ids and lengths, ones for temperature, top-p and uniforms (no division by zero)
+        dtypes = [(s, getattr(torch, d.replace("torch.", ""))) for s, d in engine.manifest["graphs"][key]["inputs"]]
+        args = tuple((torch.ones if dt.is_floating_point else torch.zeros)(s, dtype=dt, device=engine.device)
+                     for s, dt in dtypes)
+        calls.append((engine.graphs[key], args))
     for fn, args in calls:  # warm-up
         fn(*args)
     times: list[list[float]] = [[] for _ in sizes]
