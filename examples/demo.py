@@ -24,8 +24,9 @@ from specc.bench import engine_label
 from specc.data import load_prompts
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
-# Labels of configurations this script can rebuild: drafter, optional DFlash block, tree.
-RUNNABLE = re.compile(r"^(ngram|mtp|dflash)(?: B=(\d+))? ((?:chain|sequoia):\d+|topk:\d+,\d+)(?: \(\d+ nodes\))?$")
+# Labels of configurations this script can rebuild: drafter, optional DFlash block, tree, adaptive.
+RUNNABLE = re.compile(r"^(ngram|mtp|dflash)(?: B=(\d+))? ((?:chain|sequoia):\d+|topk:\d+,\d+)( adaptive)?"
+                      r"(?: \(\d+ nodes\))?(?: \(inductor\))?$")
 WHY = {"ngram": "ngram drafts by copying text the context already holds, so it pays on code and repetitive "
                 "text, much less on open chat",
        "mtp": "the shipped MTP heads were trained on ShareGPT chat, so they suit chat a little better than code",
@@ -72,11 +73,13 @@ def main() -> int:
 
     rows = measured(a.benchmarks)
     chosen = a.drafter is not None
+    adaptive = False
     if chosen:
         tree, block = a.tree or "chain:4", a.block_size
     elif rows:
         best = max(rows, key=lambda f: f["vs_plain"])
-        a.drafter, block, tree = RUNNABLE.match(best["config"]).groups()
+        a.drafter, block, tree, adaptive = RUNNABLE.match(best["config"]).groups()
+        adaptive = bool(adaptive)
         block = int(block) if block else None
         fig, line = describe(best["config"], "inductor", rows, False, a.benchmarks.name)
         print(line, flush=True)
@@ -86,7 +89,7 @@ def main() -> int:
 
     t0 = time.perf_counter()
     path = specc.compile(None, drafter=a.drafter, tree=tree, backend="inductor", output_dir=a.output, max_len=1024,
-                         block_size=block, modes="greedy")  # the demo decodes greedily
+                         block_size=block, modes="greedy", adaptive=adaptive)  # the demo decodes greedily
     print(f"compiled in {time.perf_counter() - t0:.0f} s -> {path}", file=sys.stderr)
     engine = specc.load(path)
     if chosen:  # the label (a DFlash block, say) is known once the engine is built
@@ -104,7 +107,8 @@ def main() -> int:
     plain = engine.generate(prompt, max_new_tokens=max_new, chat=True, speculate=False)
     print(spec.text)
     print()
-    print(f"drafter {a.drafter} ({engine.manifest['tree']['spec']}), backend {engine.manifest['backend']}")
+    print(f"drafter {a.drafter} ({engine.manifest['tree']['spec']}{', adaptive' if adaptive else ''}), "
+          f"backend {engine.manifest['backend']}")
     print(f"tau          {spec.stats.tau:.2f} tokens per verify step")
     print(f"speculative  {spec.stats.tokens_per_s:.1f} tokens/s ({spec.stats.new_tokens} tokens)")
     print(f"plain        {plain.stats.tokens_per_s:.1f} tokens/s")
