@@ -86,7 +86,7 @@ class CompileConfig:
         set_("tree_spec", self.tree or kind.DEFAULT_TREE)
         set_("parsed_tree", self._check_tree(kind))
         if self.adaptive:
-            if not getattr(kind, "ADAPTIVE", False):
+            if not kind.ADAPTIVE:
                 raise SpeccError(f"--adaptive needs a drafter whose drafts come with confidences; in this version "
                                  f"that is --drafter {kinds_with('ADAPTIVE')}.")
             if self.backend == "tensorrt":

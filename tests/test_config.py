@@ -82,7 +82,7 @@ from specc.drafters import ngram
 
 NAME = "ngram-eager"
 DEFAULT_TREE = "chain:3"
-DRAFTS, FILLS_TREES, MEASURED_TREES, SAMPLED_CHILDREN = True, True, False, False
+DRAFTS, FILLS_TREES, MEASURED_TREES, SAMPLED_CHILDREN, ADAPTIVE = True, True, False, False, False
 OPTIONS = frozenset()
 check, load, save, load_saved, taps, module, plans = (ngram.check, ngram.load, ngram.save, ngram.load_saved,
                                                       ngram.taps, ngram.module, ngram.plans)

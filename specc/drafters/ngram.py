@@ -114,7 +114,7 @@ def ngram_confidences(tokens: np.ndarray, tree: Tree, drafts: list[int], max_ngr
     for size in range(min(max_ngram, n - 1), min_ngram - 1, -1):
         ends = _match_ends(tokens, size)
         if len(ends):
-            conts = [tokens[e: e + tree.max_depth] for e in ends[:MAX_OCCURRENCES]]
+            conts = [tuple(tokens[e: e + tree.max_depth].tolist()) for e in ends[:MAX_OCCURRENCES]]
             break
     if conts is None:
         return 0, [0.0] * (tree.size - 1)
@@ -125,7 +125,7 @@ def ngram_confidences(tokens: np.ndarray, tree: Tree, drafts: list[int], max_ngr
         parent = tree.parents[i]
         path_tokens[i] = path_tokens[parent] + (drafts[i - 1],)
         d = tree.depths[i]
-        agree[i] = sum(1 for c in conts if len(c) >= d and tuple(c[:d].tolist()) == path_tokens[i])
+        agree[i] = sum(1 for c in conts if c[:d] == path_tokens[i])  # a shorter c never equals the path
         out.append(agree[i] / (agree[parent] + 1))
     return size - 1, out
 
