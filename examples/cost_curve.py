@@ -1,7 +1,7 @@
 """The cost curve of specc's step graphs on this machine: c(T) = t(T) / t(1), side by side per backend.
 
     python examples/cost_curve.py [--backends inductor,onnx] [--Ts 1,2,4,8,16] [--context 256]
-        [--calls 40] [--rounds 3] [--engines DIR] [--json] [--write BENCHMARKS.md]
+        [--calls 40] [--rounds 3] [--engines DIR] [--baseline DIR] [--json] [--write BENCHMARKS.md]
 
 Speculative decoding gains tau / c(T): a step that verifies T tokens must cost little more than a plain
 step. For each backend and each T > 1 this compiles an engine whose step graph verifies a chain of T
@@ -11,6 +11,11 @@ tokens. Every round times each backend and T in turn (one backend's engines load
 slow drift of the machine falls on all alike; figures are medians over calls. Compiled engines are
 kept under --engines and reused by later runs by their directory name alone: after changing a pass or
 a backend, give a new --engines directory.
+
+Before and after a change, side by side: compile the baseline's engines with the earlier code (e.g. in a
+`git worktree` of the previous commit, `PYTHONPATH=<worktree> python <worktree>/examples/cost_curve.py
+--engines DIR_A`), then run this checkout's script with `--baseline DIR_A`: each round times those
+engines too, rows labelled "(baseline)", with this checkout's runtime.
 """
 import argparse
 import gc
@@ -27,10 +32,12 @@ from specc.errors import SpeccError
 from specc.data import load_prompts
 
 
-def engine_for(backend: str, T: int, root: str, max_len: int, progress: bool):
+def engine_for(backend: str, T: int, root: str, max_len: int, progress: bool, build: bool = True):
     tree = f"chain:{max(T - 1, 1)}"  # T = 1 times the plain graph of a chain:1 engine
     out = Path(root) / f"{backend}-{tree.replace(':', '')}-{max_len}"
     if not (out / "specc.json").exists():  # else compiled by an earlier run: reuse it
+        if not build:
+            raise SpeccError(f"no baseline engine at {out}: compile it with the baseline's code first.")
         specc.compile(None, drafter="ngram", tree=tree, backend=backend, output_dir=str(out), max_len=max_len,
                       progress=progress, modes="greedy")
     return specc.load(out)
@@ -55,6 +62,7 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=40, help="calls per T per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--engines", default="engines/cost-curve")
+    ap.add_argument("--baseline", metavar="DIR", help="engines compiled by earlier code, timed alongside")
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--write", metavar="BENCHMARKS.md")
@@ -66,10 +74,13 @@ def main() -> int:
         return 2
     cmd = benchfile.command_line()
     backends = a.backends.split(",")
+    # (label, backend, engines directory, build if missing)
+    sets = [(b, b, a.engines, True) for b in backends]
+    sets += [(f"{b} (baseline)", b, a.baseline, False) for b in backends] if a.baseline else []
     try:
-        for b in backends:  # compile what is missing first
+        for _, b, root, build in sets:  # compile what is missing first
             for T in Ts:
-                engine_for(b, T, a.engines, a.max_len, not a.json)
+                engine_for(b, T, root, a.max_len, not a.json, build)
     except SpeccError as e:  # e.g. an unknown backend: one sentence, as the CLI says it
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -84,10 +95,10 @@ def main() -> int:
 
     # One backend's engines in memory at a time (each holds its own weights and caches); every round
     # loads each backend's again and times all its Ts in turn.
-    ms = {(b, T): [] for b in backends for T in Ts}
+    ms = {(label, T): [] for label, *_ in sets for T in Ts}
     for _ in range(a.rounds):
-        for b in backends:
-            calls = {T: caller(engine_for(b, T, a.engines, a.max_len, False), T, ids) for T in Ts}
+        for label, b, root, _ in sets:
+            calls = {T: caller(engine_for(b, T, root, a.max_len, False), T, ids) for T in Ts}
             for fn in calls.values():  # warm-up
                 for _ in range(3):
                     fn()
@@ -95,18 +106,19 @@ def main() -> int:
                 for _ in range(a.calls):
                     t = time.perf_counter()
                     fn()
-                    ms[(b, T)].append(1000 * (time.perf_counter() - t))
+                    ms[(label, T)].append(1000 * (time.perf_counter() - t))
             del calls
             gc.collect()
 
     med = {key: statistics.median(v) for key, v in ms.items()}
+    labels = [label for label, *_ in sets]
     rows = [{"backend": b, "T": T, "ms": round(med[(b, T)], 3), "c": round(med[(b, T)] / med[(b, 1)], 3)}
-            for b in backends for T in Ts]
+            for b in labels for T in Ts]
     setup = (f"SmolLM2-135M-Instruct, fp32, greedy step graphs verifying a chain of T tokens (T = 1: the plain "
              f"graph), cache filled to {a.context} tokens, {a.calls} calls per T per round x {a.rounds} rounds, "
              f"medians; c(T) = t(T) / t(1) on the same backend.")
     lines = ["| backend | " + " | ".join(f"T={T} ms (c)" for T in Ts) + " |", "|---|" + "---|" * len(Ts)]
-    for b in backends:
+    for b in labels:
         cells = [f"{med[(b, T)]:.1f} ({med[(b, T)] / med[(b, 1)]:.2f})" for T in Ts]
         lines.append(f"| {b} | " + " | ".join(cells) + " |")
     run = benchfile.new_run("Cost curve of the step graphs", [], cmd, cost_curve=rows)

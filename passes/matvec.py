@@ -3,18 +3,21 @@
 Why: on this CPU, MKL's sgemv streams a weight at 16-22 GB/s, while Inductor compiles
 `(x_r * w).sum(-1)` over a contiguous [out, in] weight into one vectorised reduction loop that
 reads it at the speed of a plain sum (about 43 GB/s; BENCHMARKS.md, "matvec"). The multiply-adds
-grow with the rows while the weight traffic does not, so it only pays for a handful of rows:
-larger products stay GEMMs. The eager backend keeps `linear`, since there the product would be materialised.
+grow with the rows while the weight traffic does not; with the rows stored once (below) the
+reduction still beats the GEMM at 16 and 32 rows on these CPUs, so every tree of up to MAX_ROWS
+nodes verifies at nearly the cost of a plain step. Larger products (prefill chunks) stay GEMMs.
+The eager backend keeps `linear`, since there the product would be materialised.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch._inductor.inductor_prims  # noqa: F401 -- registers prims.inductor_force_stride_order
 
 aten = torch.ops.aten
 
-MAX_ROWS = 5  # measured: the reduction beats sgemm up to 5 rows of SmolLM2's shapes, loses from 8
+MAX_ROWS = 16  # measured with stored rows: the reduction beats the GEMM up to 32 rows (LM head: 12.8 vs 30.2 ms at 16)
 
 
 def matvec(ep: torch.export.ExportedProgram, max_rows: int = MAX_ROWS) -> torch.export.ExportedProgram:
@@ -25,7 +28,12 @@ def matvec(ep: torch.export.ExportedProgram, max_rows: int = MAX_ROWS) -> torch.
     One [out, in] reduction per row, all over the same weight: Inductor fuses reductions with equal
     loop ranges into one loop over weight rows (in parallel) and the input dimension (vectorised),
     and loads each weight element once for all of them. A single [rows, out, in] product instead
-    streams the weight once per row and splits the threads over the rows."""
+    streams the weight once per row and splits the threads over the rows.
+
+    The rows are a stored buffer: left alone, Inductor inlines their pointwise producer (the residual
+    add and RMSNorm before the q/k/v, gate/up and LM-head products) into the reduction and recomputes
+    it for every weight row and token row, which makes a 3-row step compute-bound (measured: the
+    LM-head kernel 5.4 ms at 1 row, 22.4 at 3; 7.2 at 3 once stored)."""
     g = ep.graph_module.graph
     for node in list(g.nodes):
         if node.op != "call_function" or node.target is not aten.linear.default:
@@ -38,9 +46,11 @@ def matvec(ep: torch.export.ExportedProgram, max_rows: int = MAX_ROWS) -> torch.
             continue
         with g.inserting_before(node):
             new = [g.call_function(aten.view.default, (x, [rows, shape[-1]]))]
+            new.append(g.call_function(torch.ops.prims.inductor_force_stride_order.default,
+                                       (new[0], [shape[-1], 1])))
             sums = []
             for r in range(rows):
-                new.append(g.call_function(aten.select.int, (new[0], 0, r)))
+                new.append(g.call_function(aten.select.int, (new[1], 0, r)))
                 new.append(g.call_function(aten.mul.Tensor, (w, new[-1])))
                 new.append(g.call_function(aten.sum.dim_IntList, (new[-1], [-1])))
                 sums.append(new[-1])
