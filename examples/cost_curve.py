@@ -15,7 +15,9 @@ a backend, give a new --engines directory.
 Before and after a change, side by side: compile the baseline's engines with the earlier code (e.g. in a
 `git worktree` of the previous commit, `PYTHONPATH=<worktree> python <worktree>/examples/cost_curve.py
 --engines DIR_A`), then run this checkout's script with `--baseline DIR_A`: each round times those
-engines too, rows labelled "(baseline)", with this checkout's runtime.
+engines too, rows labelled "(baseline)", with this checkout's runtime. With an editable install,
+`specc.passes` and `specc.kernels` resolve to this checkout's folders whatever PYTHONPATH says: link
+them into the worktree first (`ln -s ../passes <worktree>/specc/passes`, the same for kernels).
 """
 import argparse
 import gc

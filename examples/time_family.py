@@ -25,6 +25,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.rounds < 1:
+        print("error: --rounds must be at least 1.", file=sys.stderr)
+        return 2
     try:
         engines = [specc.load(p) for p in a.engines]
     except SpeccError as e:

@@ -113,6 +113,27 @@ def test_inspect_shows_the_family(adaptive_engine, specc_cli):
     assert "adaptive" in out.stdout and "step2" in out.stdout and "acceptance rate" in out.stdout
 
 
+def test_time_family_script_times_each_member(adaptive_engine):
+    """examples/time_family.py (c(T) before and after a compiler change) on the engine's family; a
+    non-adaptive engine is refused in one sentence."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import cli_env
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "time_family.py"
+    run = lambda *a: subprocess.run([sys.executable, "-P", str(script), *map(str, a)], env=cli_env(),  # noqa: E731
+                                    capture_output=True, text=True, timeout=300)
+    out = run(adaptive_engine, adaptive_engine, "--rounds", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert len(rows) == 2 and all(r["nodes"] == [1, 2, 3, 4] and len(r["ms"]) == 4 for r in rows)
+    assert all(r["c"][0] == 1.0 and min(r["ms"]) > 0 for r in rows)
+    bad = run(adaptive_engine, "--rounds", "0")
+    assert bad.returncode == 2 and "--rounds" in bad.stderr and "Traceback" not in bad.stderr
+
+
 @pytest.mark.parametrize("options, words", [({"drafter": "draft-model"}, "--adaptive needs a drafter"),
                                             ({"drafter": "ngram", "backend": "tensorrt", "device": "cuda"},
                                              "--adaptive times its step graphs")])
