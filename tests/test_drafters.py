@@ -7,14 +7,27 @@ from specc.tree import chain
 
 
 def brute_force(tokens: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """The longest suffix with earlier occurrences (the 64 latest); of their continuations, the one
+    whose first token, then first two tokens, ... are the most common (a prefix cut short by the end
+    of the text counts 0), the latest on a tie."""
     n = len(tokens)
     for size in range(max_ngram, min_ngram - 1, -1):
         if size > n - 1:
             continue
         suffix = tokens[n - size:]
-        for start in range(n - size - 1, -1, -1):  # latest earlier occurrence first
-            if tokens[start:start + size] == suffix:
-                return tokens[start + size: start + size + k]
+        starts = [s for s in range(n - size - 1, -1, -1) if tokens[s:s + size] == suffix][:64]  # latest first
+        if not starts:
+            continue
+        conts = [tokens[s + size: s + size + k] for s in starts]
+
+        def key(c):
+            return [-sum(1 for o in conts if len(o) >= d and o[:d] == c[:d]) if d <= len(c) else 0
+                    for d in range(1, k + 1)]
+        best = 0
+        for i in range(1, len(conts)):
+            if key(conts[i]) < key(conts[best]):  # strictly better: a tie keeps the latest
+                best = i
+        return conts[best]
     return []
 
 
@@ -43,6 +56,16 @@ def test_ngram_continuations_first_is_the_chain_proposal():
     assert conts[0] == ngram_propose(tokens, 3, 2, 1) == [4, 1, 2]
     assert conts[:2] == [[4, 1, 2], [3, 1, 2]]  # suffix [1, 2]: latest occurrence first
     assert len(conts) == len({tuple(c) for c in conts})
+
+
+def test_ngram_drafts_what_followed_most_often():
+    # After [1, 2]: 7 twice, then 8 most recently. The recent 8 loses to the frequent 7; after
+    # [1, 2, 7] the text went on with 1 both times.
+    tokens = np.array([1, 2, 7, 1, 2, 7, 1, 2, 8, 1, 2], dtype=np.int64)
+    assert ngram_propose(tokens, 2, 2, 1) == [7, 1]
+    # A continuation cut short by the end of the text loses a tie to a longer one.
+    tokens = np.array([5, 6, 7, 8, 5, 6, 5], dtype=np.int64)
+    assert ngram_propose(tokens, 3, 1, 1) == [6, 7, 8]  # the latest, [6, 5], ends with the text
 
 
 def _node_tokens(tree, drafts, root):

@@ -3,6 +3,8 @@ text's last few tokens (in the prompt or the text generated so far); several mat
 No graphs of its own: the runtime side proposes, the target's step graph verifies."""
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 from ..tree import Tree
@@ -71,9 +73,9 @@ def runtime(graphs, tree, entry: dict, chunk: int, device):
 
 
 def ngram_propose(tokens: np.ndarray, k: int, max_ngram: int = 4, min_ngram: int = 1) -> list[int]:
-    """Prompt lookup: the k tokens that followed the most recent earlier occurrence of the longest
-    suffix (max_ngram down to min_ngram tokens) of `tokens`. Fewer than k when the match runs into
-    the end; empty when nothing matches."""
+    """Prompt lookup: the k tokens that followed the earlier occurrences of the longest suffix
+    (max_ngram down to min_ngram tokens) of `tokens`, the most frequent path (by_frequency). Fewer
+    than k when the match runs into the end; empty when nothing matches."""
     found = ngram_continuations(tokens, k, max_ngram, min_ngram, limit=1)
     return found[0] if found else []
 
@@ -81,17 +83,30 @@ def ngram_propose(tokens: np.ndarray, k: int, max_ngram: int = 4, min_ngram: int
 def ngram_continuations(tokens: np.ndarray, k: int, max_ngram: int = 4, min_ngram: int = 1,
                         limit: int = 16) -> list[list[int]]:
     """Up to `limit` distinct continuations (each at most k tokens) that followed earlier occurrences
-    of a suffix of `tokens`: longer suffixes first, the most recent occurrence first within a length.
-    The first one is what `ngram_propose` returns."""
+    of a suffix of `tokens` (the MAX_OCCURRENCES most recent per suffix length): longer suffixes
+    first, by_frequency within a length. The first one is what `ngram_propose` returns."""
     n, found = len(tokens), []
     for size in range(min(max_ngram, n - 1), min_ngram - 1, -1):
-        for start in _match_ends(tokens, size):
-            cont = tokens[start: start + k].tolist()
+        ends = _match_ends(tokens, size)[:MAX_OCCURRENCES]
+        for cont in by_frequency([tokens[e: e + k].tolist() for e in ends]):
             if cont and cont not in found:
                 found.append(cont)
                 if len(found) == limit:
                     return found
     return found
+
+
+def by_frequency(conts: list[list[int]]) -> list[list[int]]:
+    """Continuations (most recent first) ordered by what followed most often: by the count of their
+    first token among all of them, then of their first two tokens, and so on; ties keep the most
+    recent first. The first is the path a per-depth majority vote takes. Against the most recent
+    continuation, replayed on the target's greedy text (examples/ngram_tau.py, 10 prompts x 128
+    tokens, matches of any length): tau 1.94 -> 2.06 (chain:4) and 2.13 -> 2.31 (chain:8) on
+    HumanEval, 1.31 -> 1.33 on MT-Bench."""
+    counts = Counter(tuple(c[:d]) for c in conts for d in range(1, len(c) + 1))
+    k = max(map(len, conts), default=0)
+    # A continuation cut short by the end of the text counts 0 past its end: the longer path wins a tie.
+    return sorted(conts, key=lambda c: [-counts[tuple(c[:d])] if d <= len(c) else 0 for d in range(1, k + 1)])
 
 
 def _match_ends(tokens: np.ndarray, size: int) -> np.ndarray:
