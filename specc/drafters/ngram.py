@@ -18,7 +18,7 @@ OPTIONS: frozenset[str] = frozenset()
 # min_ngram 3 measured best of 1..3 on MT-Bench and HumanEval (BENCHMARKS.md).
 MAX_NGRAM, MIN_NGRAM = 4, 3
 CALIBRATION_DEPTH = 8
-MAX_OCCURRENCES = 64  # the most recent occurrences a confidence counts (bounds the host's work per step)
+MAX_OCCURRENCES = 64  # the most recent occurrences drafts and confidences count (bounds the host's work per step)
 
 
 def check(cfg) -> None:
