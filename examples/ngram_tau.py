@@ -17,6 +17,7 @@ import numpy as np
 import specc
 from specc.data import load_prompts
 from specc.drafters.ngram import ngram_propose
+from specc.errors import SpeccError
 
 
 def most_recent(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> list[int]:
@@ -51,7 +52,19 @@ def main() -> int:
     ap.add_argument("--ks", default="4,8")
     ap.add_argument("--min-ngrams", default="3,1")
     a = ap.parse_args()
-    engine = specc.load(a.engine)
+    try:
+        ks, min_ngrams = [int(x) for x in a.ks.split(",")], [int(x) for x in a.min_ngrams.split(",")]
+    except ValueError:
+        ks = min_ngrams = []
+    if not ks or not min_ngrams or min(ks + min_ngrams) < 1 or max(min_ngrams) > 4 or a.limit < 1:
+        print("error: --ks and --min-ngrams take comma-separated positive integers (n-grams up to 4), "
+              "--limit at least 1.", file=sys.stderr)
+        return 2
+    try:
+        engine = specc.load(a.engine)
+    except SpeccError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print("| dataset | chain | min n-gram | tau, most recent | tau, by_frequency |\n|---|---|---|---|---|")
     for dataset in ("humaneval", "mt-bench"):
         texts = []
@@ -59,8 +72,8 @@ def main() -> int:
             ids = engine.encode(prompt, chat=True)
             res = engine.generate(ids, max_new_tokens=a.max_new_tokens, speculate=False, stop_at_eos=False)
             texts.append((ids, res.token_ids))
-        for k in map(int, a.ks.split(",")):
-            for mn in map(int, a.min_ngrams.split(",")):
+        for k in ks:
+            for mn in min_ngrams:
                 old = replay_tau(texts, lambda t, k: most_recent(t, k, 4, mn), k)
                 new = replay_tau(texts, lambda t, k: ngram_propose(t, k, 4, mn), k)
                 print(f"| {dataset} | chain:{k} | {mn} | {old:.3f} | {new:.3f} |")

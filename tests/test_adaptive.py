@@ -123,8 +123,10 @@ def test_time_family_script_times_each_member(adaptive_engine):
     from conftest import cli_env
 
     script = Path(__file__).resolve().parents[1] / "examples" / "time_family.py"
-    run = lambda *a: subprocess.run([sys.executable, "-P", str(script), *map(str, a)], env=cli_env(),  # noqa: E731
-                                    capture_output=True, text=True, timeout=300)
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-P", str(script), *map(str, args)], env=cli_env(),
+                              capture_output=True, text=True, timeout=300)
     out = run(adaptive_engine, adaptive_engine, "--rounds", "1", "--json")
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)
