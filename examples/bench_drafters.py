@@ -9,12 +9,15 @@ Usage: python examples/bench_drafters.py [--configs dflash@4=chain:3,dflash=sequ
            [--dflash DIR] [--dspark DIR] [--mtp DIR] [--limit 5] [--max-new-tokens 256] [--write BENCHMARKS.md]
            [--json]
 Config items: dflash[@BLOCK]=TREE, dspark[@BLOCK]=TREE or mtp=TREE, TREE as for `specc compile --tree`
-(the block defaults to the drafter's trained block). Without --dflash / --dspark / --mtp, the
-drafters shipped with specc for SmolLM2 are used. Prints the run; writes it (under History, newest first, Current figures
+(the block defaults to the drafter's trained block), optionally followed by +ngramK: the same tree with
+prompt lookup's branch of K nodes (`--ngram-branch K`, a hybrid tree). Without --dflash / --dspark / --mtp, the
+drafters shipped with specc for SmolLM2 are used. Compiled engines are reused by directory name
+(after changing the compiler, use a new --engines). Prints the run; writes it (under History, newest first, Current figures
 regenerated) only with --write.
 """
 import argparse
 import sys
+from pathlib import Path
 
 import specc
 from specc.models import quiet_libraries
@@ -24,12 +27,16 @@ from specc.shipped import shipped_drafter, training_summary
 
 
 def parse_config(item: str):
-    """KIND[@BLOCK]=TREE, e.g. dflash@4=chain:3, dflash=sequoia:8, dspark=topk:3,2, mtp=chain:1."""
-    head, eq, tree = item.partition("=")
+    """KIND[@BLOCK]=TREE[+ngramK], e.g. dflash@4=chain:3, dflash=sequoia:8, dspark=topk:3,2, mtp=chain:1,
+    dspark=sequoia:8+ngram4 (a hybrid tree: --ngram-branch 4)."""
+    head, eq, rest = item.partition("=")
+    tree, plus, branch = rest.partition("+ngram")
     kind, at, block = head.partition("@")
-    if kind not in ("dflash", "dspark", "mtp") or not eq or not tree or (at and not block.isdigit()) or (at and kind == "mtp"):
-        raise SystemExit(f"config {item!r}: use dflash[@BLOCK]=TREE, dspark[@BLOCK]=TREE or mtp=TREE (TREE as for --tree)")
-    return kind, int(block) if at else None, tree
+    if (kind not in ("dflash", "dspark", "mtp") or not eq or not tree or (at and not block.isdigit()) or (at and kind == "mtp")
+            or (plus and not branch.isdigit())):
+        raise SystemExit(f"config {item!r}: use dflash[@BLOCK]=TREE, dspark[@BLOCK]=TREE or mtp=TREE (TREE as for --tree), "
+                         f"optionally +ngramK for a hybrid tree")
+    return kind, int(block) if at else None, tree, int(branch) if plus else 0
 
 
 def main() -> int:
@@ -48,15 +55,17 @@ def main() -> int:
     paths = {"dflash": a.dflash, "dspark": a.dspark, "mtp": a.mtp}
 
     engines = []
-    for kind, block, tree in configs:
-        name = f"{kind}{f'-b{block}' if block else ''}-{tree.replace(':', '')}"
-        path = specc.compile(None, drafter=kind, drafter_path=paths[kind], block_size=block, tree=tree,
-                             backend="inductor", output_dir=f"{a.engines}/{name}", max_len=1024, progress=not a.json,
-                             modes="greedy")
+    for kind, block, tree, branch in configs:
+        tree_name = Path(tree).stem if tree.endswith(".json") else tree.replace(":", "")
+        name = f"{kind}{f'-b{block}' if block else ''}-{tree_name}{f'-ngram{branch}' if branch else ''}"
+        path = Path(a.engines) / name
+        if not (path / "specc.json").is_file():  # reused by directory name: after changing the compiler, use new --engines
+            specc.compile(None, drafter=kind, drafter_path=paths[kind], block_size=block, tree=tree, ngram_branch=branch,
+                          backend="inductor", output_dir=path, max_len=1024, progress=not a.json, modes="greedy")
         engines.append(path)
 
     lines, figures = [], []
-    for kind in dict.fromkeys(k for k, _, _ in configs):
+    for kind in dict.fromkeys(k for k, *_ in configs):
         summary = training_summary(paths[kind] or shipped_drafter(kind))
         if summary:
             lines.append(f"{kind} drafter: trained {summary['step']} steps on {summary['sequences']} sequences; held-out "
@@ -84,7 +93,10 @@ def main() -> int:
                                             new_tokens=a.max_new_tokens, prompts=s["prompts"]))
         lines.append("")
         for rep in reports:
-            lines.append(f"{drafter_label(rep)}: accepted drafts per step (0, 1, 2, ...) {rep['accepted_hist']}; "
+            s = next(r for r in rep["rows"] if r["method"] == "speculative")
+            lookup = (f" prompt lookup's continuation was in the tree on {s['lookup_steps']} of {s['steps']} steps and "
+                      f"the accepted path went through it on {s['lookup_accepted']};" if "lookup_steps" in s else "")
+            lines.append(f"{drafter_label(rep)}: accepted drafts per step (0, 1, 2, ...) {rep['accepted_hist']};{lookup} "
                          f"greedy output identical to plain decoding on {rep['greedy_identical_to_ar']} prompts.")
         lines.append("")
     setup = (f"SmolLM2-135M-Instruct, fp32, inductor backend, greedy, {a.max_new_tokens} new tokens per prompt, first "

@@ -41,8 +41,11 @@ def summarize(name: str, runs: list[dict]) -> dict:
     tps = [r["new_tokens"] / r["wall_s"] for r in runs]
     steps = sum(r.get("steps", 0) for r in runs)
     tau = sum(r["new_tokens"] - 1 for r in runs) / steps if steps else None
-    return {"method": name, "prompts": len(runs), "tokens_per_s": statistics.median(tps),
-            "tau": tau, "new_tokens": sum(r["new_tokens"] for r in runs)}
+    out = {"method": name, "prompts": len(runs), "tokens_per_s": statistics.median(tps),
+           "tau": tau, "new_tokens": sum(r["new_tokens"] for r in runs), "steps": steps}
+    if any(r.get("lookup_steps") for r in runs):  # a hybrid tree: how often prompt lookup's branch served
+        out.update(lookup_steps=sum(r["lookup_steps"] for r in runs), lookup_accepted=sum(r["lookup_accepted"] for r in runs))
+    return out
 
 
 def run_bench(engine_dir, dataset: str = "mt-bench", limit: int | None = 10, max_new_tokens: int = 128,
@@ -129,9 +132,11 @@ def drafter_label(report: dict) -> str:
     """e.g. "dflash B=4 chain:3", "mtp sequoia:4 (4 nodes)": the drafter and the tree."""
     d = report["drafter"]
     block = f" B={d['block_size']}" if "block_size" in d else ""
+    branch = f" + ngram branch {d['ngram_branch']['depth']}" if d.get("ngram_branch") else ""
     nodes = report.get("tree_nodes")
-    measured = "" if nodes is None or report["tree"].startswith("chain:") else f" ({nodes} nodes)"
-    return f"{d['kind']}{block} {report['tree']}{measured}"
+    measured = "" if nodes is None or (report["tree"].startswith("chain:") and not branch) else f" ({nodes} nodes)"
+    tree = Path(report["tree"]).name if report["tree"].endswith(".json") else report["tree"]  # a tree file: its name
+    return f"{d['kind']}{block} {tree}{branch}{measured}"
 
 
 def engine_label(manifest: dict) -> str:

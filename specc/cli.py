@@ -34,7 +34,7 @@ def cmd_compile(a) -> int:
                            drafter_path=a.drafter_path, drafter_layers=a.drafter_layers, dtype=a.dtype,
                            block_size=a.block_size, device=a.device, children=a.children, max_len=a.max_len,
                            prefill_chunk=a.prefill_chunk, dump_ir=a.dump_ir, progress=not a.json,
-                           adaptive=a.adaptive, **({"modes": a.modes} if a.modes else {}))
+                           adaptive=a.adaptive, ngram_branch=a.ngram_branch, **({"modes": a.modes} if a.modes else {}))
     out = specc.compile(config=config)
     manifest = json.loads((out / "specc.json").read_text())
     if a.json:
@@ -156,6 +156,10 @@ def cmd_inspect(a) -> int:
     print(f"tree        {m['tree']['spec']}: {tree.size} nodes, depth {tree.max_depth}, max width {tree.max_width}")
     for line in tree_report_lines(m["tree"]):
         print("            " + line)
+    branch = m["drafter"].get("ngram_branch")
+    if branch:
+        print(f"            + prompt lookup's branch: {branch['depth']} nodes under the root at rank {branch['rank']}, "
+              f"filled per step from matches of {branch['min_ngram']}-{branch['max_ngram']} tokens")
     print(f"backend     {m['backend']} on {m.get('device', 'cpu')}, dtype {m['dtype']}, max_len {m['max_len']}, "
           f"prefill chunk {m['prefill_chunk']}")
     print(f"modes       {', '.join(m['modes'])} (one graph per mode for each graph that samples)")
@@ -285,6 +289,10 @@ def add_compile(sub) -> None:
     c.add_argument("--adaptive", action="store_true",
                    help="ngram: also compile a step graph for each prefix of the tree, time them here, and per step "
                         "verify the one with the most expected tokens per second (plain decoding when drafts look poor)")
+    c.add_argument("--ngram-branch", type=int, default=0, metavar="K",
+                   help="mtp, dflash, dspark: add a chain of K nodes under the root that the runtime fills with prompt "
+                        "lookup's continuation of the text (a hybrid tree: lookup's long matches on code and "
+                        "repetitive text, the model's drafts elsewhere); default 0")
     c.add_argument("--json", action="store_true")
     c.add_argument("-o", "--output", required=True, metavar="DIR")
     c.set_defaults(fn=cmd_compile)

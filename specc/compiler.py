@@ -24,6 +24,7 @@ from torch import nn
 from tqdm import tqdm
 
 from . import __version__, adaptive, calibrate
+from .hybrid import branch_entry, with_ngram_branch
 from .backends import check_device, lower_graph, move_states, open_graph
 from .config import MANIFEST, CompileConfig
 from .drafters import get_kind
@@ -85,7 +86,11 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
             return install_picked(picked, out, cfg.tree_spec, report)
         if picked is not None:  # an adaptive engine adds the family to the winner's tree: compiled below
             shutil.rmtree(picked.parent, ignore_errors=True)
+    if cfg.ngram_branch:  # a hybrid tree: lookup's branch beside the drafter's (measured) tree
+        tree = with_ngram_branch(tree, cfg.ngram_branch)
     entry = kind.entry(cfg, weights, tree)
+    if cfg.ngram_branch:
+        entry["ngram_branch"] = branch_entry(tree, cfg.ngram_branch)
     cache_len = cfg.max_len + max(cfg.prefill_chunk, tree.size)
     modules = build_modules(kind, target.model, weights, entry, tree, cache_len)
     plans = graph_plans(kind, tree, cfg.prefill_chunk, cache_len, cfg.backend, modules.sampled, cfg.modes,
@@ -183,7 +188,7 @@ def measure_tree(cfg: CompileConfig, depth_limit: int):
         # The calibration engine (backend "eager") only decodes greedily; auto's candidates may become the engine.
         compile(config=replace(cfg, tree=tree_file, backend=backend or cfg.backend, output_dir=engine_dir,
                                dump_ir=None, progress=False, modes=cfg.modes if backend is None else ("greedy",),
-                               adaptive=False))
+                               adaptive=False, ngram_branch=0))
         return load(engine_dir)
 
     out = Path(cfg.output_dir)

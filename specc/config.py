@@ -16,10 +16,11 @@ from .drafters import get_kind, kinds_with
 from .errors import SpeccError
 from .models import parse_dtype
 from .signature import MODES
-from .tree import Tree, chain, is_measured, parse_tree
+from .tree import MAX_TREE_NODES, Tree, chain, is_measured, parse_tree
 
 MANIFEST = "specc.json"
 CHILDREN = ("topk", "sampled")
+MAX_NGRAM_BRANCH = 16  # deeper than lookup's continuations usefully reach
 DRAFTER_OPTIONS = {"drafter_path": "--drafter-path", "drafter_layers": "--drafter-layers", "block_size": "--block-size"}
 
 
@@ -45,6 +46,9 @@ class CompileConfig:
     # A family of step graphs (the tree's node-count prefixes, down to plain), timed at compile time;
     # per step the runtime verifies the one with the most expected tokens per second (specc/adaptive.py).
     adaptive: bool = False
+    # Hybrid trees (specc/hybrid.py): a chain of this many nodes under the root that the runtime fills
+    # with prompt lookup's continuation, beside a model drafter's tree. 0: none.
+    ngram_branch: int = 0
     # Derived in __post_init__: the parsed tree (a stand-in chain for a measured spec) and the dtype.
     tree_spec: str = field(init=False)
     parsed_tree: Tree = field(init=False, repr=False, compare=False)
@@ -92,7 +96,28 @@ class CompileConfig:
             if self.backend == "tensorrt":
                 raise SpeccError("--adaptive times its step graphs where they are compiled, which a tensorrt engine "
                                  "cannot do before `specc build`; use --backend onnx or inductor.")
+        self._check_ngram_branch(kind)
         kind.check(self)
+
+    def _check_ngram_branch(self, kind) -> None:
+        k = self.ngram_branch
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_NGRAM_BRANCH:
+            raise SpeccError(f"--ngram-branch {k!r} is out of range; use 0 (none) to {MAX_NGRAM_BRANCH} nodes.")
+        if not k:
+            return
+        if not kind.NGRAM_BRANCH:
+            raise SpeccError(f"--ngram-branch adds prompt lookup's continuation to a model drafter's tree; use it with "
+                             f"--drafter {kinds_with('NGRAM_BRANCH')}.")
+        if self.children == "sampled":
+            raise SpeccError("--ngram-branch overwrites drafts, and children sampled from the drafter must stay the "
+                             "drafter's own draws to be verified exactly; use --children topk.")
+        if self.tree_spec.strip() == "auto":
+            raise SpeccError("--ngram-branch adds a branch to a tree you give, and --tree auto picks among compiled "
+                             "engines; pass the tree auto picked, or --tree sequoia:BUDGET.")
+        size = self.parsed_tree.size if not self.measured_tree else int(self.tree_spec.partition(":")[2])  # sequoia's budget
+        if size + k > MAX_TREE_NODES:
+            raise SpeccError(f"--tree {self.tree_spec} with --ngram-branch {k} has {size + k} nodes, more than the "
+                             f"limit of {MAX_TREE_NODES}.")
 
     def _check_tree(self, kind) -> Tree:
         spec = self.tree_spec

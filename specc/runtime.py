@@ -19,6 +19,7 @@ import torch
 
 from .adaptive import choose, step_name
 from .errors import SpeccError
+from .hybrid import NgramBranch
 from .prefill import prefill, tap_rows
 from .signature import (MODES, SampledChildren, StepSignature, graph_name, graphs_for_mode, mode_of, split_report,
                         uniform_columns)
@@ -45,13 +46,18 @@ class Stats:
     # Steps by the size of the tree they verified (1: plain): an adaptive engine's choices, and
     # the plain steps a host drafter falls back to when it has nothing to propose.
     verified_sizes: dict[int, int] = field(default_factory=dict)
+    # Hybrid trees (--ngram-branch): steps whose tree carried prompt lookup's continuation, and
+    # those whose accepted path went through a node it wrote.
+    lookup_steps: int = 0
+    lookup_accepted: int = 0
 
     def as_dict(self) -> dict:
         return {"new_tokens": self.new_tokens, "steps": self.steps, "tau": round(self.tau, 4),
                 "tokens_per_s": round(self.tokens_per_s, 3), "wall_s": round(self.wall_s, 4),
                 "prefill_s": round(self.prefill_s, 4), "prompt_tokens": self.prompt_tokens, "stop": self.stop,
                 "accepted_hist": self.accepted_hist,
-                "verified_sizes": {str(k): v for k, v in sorted(self.verified_sizes.items())}}
+                "verified_sizes": {str(k): v for k, v in sorted(self.verified_sizes.items())},
+                "lookup_steps": self.lookup_steps, "lookup_accepted": self.lookup_accepted}
 
 
 @dataclass
@@ -74,6 +80,7 @@ class Run:
     next_tokens: torch.Tensor | None = None
     next_q: torch.Tensor | None = None
     next_confidence: torch.Tensor | None = None  # a DSpark drafter's confidence in each of next_tokens' drafts
+    lookup_nodes: list[int] = field(default_factory=list)  # the nodes prompt lookup wrote in this call's tree
 
 
 @dataclass
@@ -108,6 +115,9 @@ class Engine:
         # `--tree auto` found plain decoding fastest on its calibration prompts: the engine decodes
         # plainly unless it chooses per step (adaptive).
         self.speculates = manifest["tree"].get("picked") != "plain" or self.adaptive is not None
+        # A hybrid tree (specc/hybrid.py): the host writes prompt lookup's continuation into each tree.
+        branch = manifest["drafter"].get("ngram_branch")
+        self.ngram_branch = NgramBranch(tree, branch) if branch else None
 
     def signatures(self, mode: str) -> tuple[StepSignature, StepSignature, StepSignature]:
         """The plain, step and fused graphs' calling conventions in `mode`."""
@@ -262,9 +272,9 @@ class Engine:
                 return self._plain_step(run)
             sig, name = StepSignature(T, self.sampled, mode=run.mode), step_name(T, self.tree.size)
         drafts = drafts if isinstance(drafts, torch.Tensor) else self._upload(drafts[: T - 1])
-        res = sig.unpack(run.graphs[name](*sig.args(
-            torch.cat((self._root(run), drafts)), run.base_dev, run.temperature, run.top_p, run.table,
-            self.drafter.q)))
+        tokens = self._with_lookup(run, torch.cat((self._root(run), drafts)))
+        res = sig.unpack(run.graphs[name](*sig.args(tokens, run.base_dev, run.temperature, run.top_p, run.table,
+                                                    self.drafter.q)))
         report = self._advance(run, res)
         if self.drafter.needs_rows:  # the root and the accepted drafts are now committed context
             n = report[0]
@@ -283,16 +293,28 @@ class Engine:
             tokens, q = torch.cat((self._root(run), drafts)), self.drafter.q
         else:
             tokens, q = run.next_tokens, run.next_q
+        tokens = self._with_lookup(run, tokens)
         res = sig.unpack(run.graphs["fused"](*sig.args(tokens, run.base_dev, run.temperature, run.top_p, run.table,
                                                        q)))
         run.next_tokens, run.next_q, run.next_confidence = res.tokens, res.next_q, res.confidence
         return self._advance(run, res), T
+
+    def _with_lookup(self, run: "Run", tokens: torch.Tensor) -> torch.Tensor:
+        """A hybrid tree's tokens [T] with prompt lookup's continuation written in (specc/hybrid.py). The
+        read follows the last step's report read, which already waited for the graph that drafted them."""
+        if self.ngram_branch is None:
+            return tokens
+        merged, run.lookup_nodes = self.ngram_branch.merge(self._read(tokens), run.committed)
+        return self._upload(merged) if run.lookup_nodes else tokens
 
     def _commit(self, run: "Run", stats: Stats, n: int, path, out, size: int, stop_at_eos: bool) -> list[int]:
         """What every mode shares: record the step, commit the accepted tokens and the bonus token
         (cut at the budget and at EOS), and advance the committed length."""
         if size > 1:
             stats.rank_paths.append(tuple(self.tree.ranks[i] for i in path[1: n + 1]))
+        if run.lookup_nodes:
+            stats.lookup_steps += 1
+            stats.lookup_accepted += bool(set(path[1: n + 1]) & set(run.lookup_nodes))
         stats.steps += 1
         stats.verified_sizes[size] = stats.verified_sizes.get(size, 0) + 1
         while len(stats.accepted_hist) <= n:

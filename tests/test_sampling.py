@@ -173,3 +173,27 @@ def test_adaptive_sampling_matches_target(models, tmp_path):
     assert sum(n > 500 for n in sizes.values()) >= 3, sizes  # several members of the family ran, often
     p = g_test(samples, exact_distribution(target, 1.0, prompt))
     assert p > 1e-3, f"adaptive speculative samples differ from the target distribution (p={p:.2e})"
+
+
+def test_hybrid_sampling_matches_target(models, tmp_path):
+    """The same test on a hybrid tree (DSpark's top-k tree plus prompt lookup's branch,
+    specc/hybrid.py): the host overwrites drafts with lookup's continuation, deterministic drafts
+    that the one-hot rule verifies exactly, so the output must keep the target's distribution."""
+    from test_dspark import random_dspark
+
+    root, target = models
+    # Its last three tokens occurred before, followed by what the target likes to sample next.
+    prompt = [0, 1, 6, 7, 4, 6, 0, 1, 6]
+    dpath, _ = random_dspark(target, tmp_path / "dspark", block=3)
+    path = specc.compile(root / "target", drafter="dspark", drafter_path=dpath, tree="topk:2,1", ngram_branch=2,
+                         backend="eager", output_dir=tmp_path / "engine", max_len=32, prefill_chunk=4, progress=False,
+                         modes="sample")
+    engine = specc.load(path)
+    samples, taken = [], 0
+    for seed in range(RUNS):
+        r = engine.generate(prompt, max_new_tokens=NEW, temperature=1.0, seed=seed, stop_at_eos=False)
+        samples.append(tuple(r.token_ids))
+        taken += r.stats.lookup_accepted
+    assert taken > 300  # lookup's tokens were accepted often: the overwritten drafts were exercised
+    p = g_test(samples, exact_distribution(target, 1.0, prompt))
+    assert p > 1e-3, f"hybrid speculative samples differ from the target distribution (p={p:.2e})"

@@ -10,6 +10,8 @@ Constants:
     SAMPLED_CHILDREN    whether --children sampled applies
     ADAPTIVE            whether --adaptive applies (specc/adaptive.py): the kind then also has
                         confidence_classes(entry) -> int, and its runtime side confidences()
+    NGRAM_BRANCH        whether --ngram-branch applies (specc/hybrid.py): it fills a static tree with
+                        deterministic drafts from its graphs, which the host may overwrite
     OPTIONS             the CompileConfig fields of drafter options it takes (drafter_path, ...)
 
 Functions (cfg: CompileConfig; target_hf: the Hugging Face target; weights: whatever `load` returns):

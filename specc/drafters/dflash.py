@@ -16,6 +16,7 @@ NAME = "dflash"
 DEFAULT_TREE = "chain:3"  # block 4: the fastest measured with the shipped SmolLM2 drafter (BENCHMARKS.md)
 DRAFTS = FILLS_TREES = MEASURED_TREES = SAMPLED_CHILDREN = True
 ADAPTIVE = False  # its drafts carry no confidences the host loop reads yet
+NGRAM_BRANCH = True  # it fills a static tree from graphs: --ngram-branch adds lookup's branch
 OPTIONS = frozenset({"drafter_path", "block_size"})
 
 

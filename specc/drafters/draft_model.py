@@ -17,7 +17,7 @@ from ..tree import Tree, chain
 NAME = "draft-model"
 DEFAULT_TREE = "chain:4"
 DRAFTS = True
-FILLS_TREES = MEASURED_TREES = SAMPLED_CHILDREN = ADAPTIVE = False
+FILLS_TREES = MEASURED_TREES = SAMPLED_CHILDREN = ADAPTIVE = NGRAM_BRANCH = False
 OPTIONS = frozenset({"drafter_path", "drafter_layers"})
 
 

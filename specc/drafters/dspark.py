@@ -19,6 +19,7 @@ DEFAULT_TREE = "sequoia:8"
 DRAFTS = FILLS_TREES = MEASURED_TREES = True
 SAMPLED_CHILDREN = False  # a node's children depend on its token: no per-depth q to draw them from
 ADAPTIVE = False  # its drafts carry no confidences the host loop reads yet
+NGRAM_BRANCH = True  # it fills a static tree from graphs: --ngram-branch adds lookup's branch
 OPTIONS = frozenset({"drafter_path", "block_size"})
 
 

@@ -13,6 +13,7 @@ NAME = "mtp"
 DEFAULT_TREE = "chain:1"  # the fastest measured with the shipped SmolLM2 heads (BENCHMARKS.md, 2026-11-30)
 DRAFTS = FILLS_TREES = MEASURED_TREES = SAMPLED_CHILDREN = True
 ADAPTIVE = False  # its drafts carry no confidences the host loop reads yet
+NGRAM_BRANCH = True  # it fills a static tree from graphs: --ngram-branch adds lookup's branch
 OPTIONS = frozenset({"drafter_path"})
 CALIBRATION_DEPTH = 4
 

@@ -14,6 +14,7 @@ DEFAULT_TREE = "chain:4"
 DRAFTS = FILLS_TREES = MEASURED_TREES = True
 ADAPTIVE = True  # its proposals come with confidences (match statistics): --adaptive applies
 SAMPLED_CHILDREN = False
+NGRAM_BRANCH = False  # it is prompt lookup already
 OPTIONS: frozenset[str] = frozenset()
 # min_ngram 3 measured best of 1..3 on MT-Bench and HumanEval (BENCHMARKS.md).
 MAX_NGRAM, MIN_NGRAM = 4, 3

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 NAME = "none"
 DEFAULT_TREE = "chain:0"
-DRAFTS = FILLS_TREES = MEASURED_TREES = SAMPLED_CHILDREN = ADAPTIVE = False
+DRAFTS = FILLS_TREES = MEASURED_TREES = SAMPLED_CHILDREN = ADAPTIVE = NGRAM_BRANCH = False
 OPTIONS: frozenset[str] = frozenset()
 
 
