@@ -24,15 +24,20 @@ from .drafters.ngram import MAX_NGRAM, MIN_NGRAM, ngram_continuations
 from .tree import Tree, tree_from_paths
 
 
+def next_rank(tree: Tree) -> int:
+    """The rank after the root's last child's (a tree file may skip ranks)."""
+    return max((tree.ranks[j] for j in tree.children[0]), default=-1) + 1
+
+
 def with_ngram_branch(tree: Tree, depth: int) -> Tree:
     """`tree` with a chain of `depth` nodes under the root at the next free rank."""
-    rank = len(tree.children[0])
+    rank = next_rank(tree)
     return tree_from_paths([list(p) for p in tree.paths[1:]] + [[rank] + [0] * d for d in range(depth)])
 
 
 def branch_entry(tree: Tree, depth: int) -> dict:
     """The manifest's record of the branch in a tree made by with_ngram_branch."""
-    return {"rank": len(tree.children[0]) - 1, "depth": depth, "max_ngram": MAX_NGRAM, "min_ngram": MIN_NGRAM}
+    return {"rank": next_rank(tree) - 1, "depth": depth, "max_ngram": MAX_NGRAM, "min_ngram": MIN_NGRAM}
 
 
 def rank0_line(tree: Tree, node: int, length: int) -> list[int]:
@@ -51,7 +56,8 @@ class NgramBranch:
         self.tree, self.depth = tree, entry["depth"]
         self.max_ngram, self.min_ngram = entry["max_ngram"], entry["min_ngram"]
         roots = tree.children[0]
-        self.branch = [roots[entry["rank"]]] + rank0_line(tree, roots[entry["rank"]], self.depth - 1)
+        top = next(j for j in roots if tree.ranks[j] == entry["rank"])
+        self.branch = [top] + rank0_line(tree, top, self.depth - 1)
         self.model_roots = [j for j in roots if j != self.branch[0]]  # the model's depth-1 nodes, by rank
 
     def merge(self, tokens: list[int], committed: list[int]) -> tuple[list[int], list[int]]:

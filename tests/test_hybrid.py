@@ -1,6 +1,6 @@
 """Hybrid trees (--ngram-branch, specc/hybrid.py): the branch's place in the tree, where prompt
 lookup's continuation is written (against a brute-force walk), engines whose greedy output is the
-target's, fused equal to unfused, and the refusals. The sampling test is in test_sampling.py."""
+target's, fused equal to unfused, and the refusals. The sampling test is in test_sampling.py (its top-k tree test)."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -9,7 +9,7 @@ import specc
 from specc.drafters.ngram import ngram_propose
 from specc.errors import SpeccError
 from specc.hybrid import NgramBranch, branch_entry, with_ngram_branch
-from specc.tree import parse_tree
+from specc.tree import parse_tree, tree_from_paths
 from test_dspark import random_dspark
 from test_engine import PROMPT, hf_greedy
 from tiny import tiny_model
@@ -20,6 +20,8 @@ def test_the_branch_is_a_chain_under_the_root_at_the_next_rank():
     assert tree.size == 7 + 3
     assert {(2,), (2, 0), (2, 0, 0)} <= set(tree.paths) and tree.max_depth == 3
     assert branch_entry(tree, 3)["rank"] == 2 and branch_entry(tree, 3)["depth"] == 3
+    skips = with_ngram_branch(tree_from_paths([[0], [2]]), 1)  # a tree file may skip ranks
+    assert (3,) in skips.paths and branch_entry(skips, 1)["rank"] == 3
 
 
 def token_paths(tree, tokens):
@@ -47,7 +49,7 @@ def test_lookup_is_written_where_it_can_be_accepted(text, spec, depth, rnd):
     if not cont:
         assert merged == drafted and written == []
         return
-    branch_root = tree.children[0][entry["rank"]]
+    branch_root = next(j for j in tree.children[0] if tree.paths[j] == (entry["rank"],))
     model_roots = [j for j in tree.children[0] if j != branch_root]
     same = [j for j in model_roots if drafted[j] == cont[0]]
     start = same[0] if same else branch_root

@@ -101,33 +101,45 @@ def test_wrong_acceptance_rule_is_detected(models, tmp_path, monkeypatch, backen
     assert p < 1e-3, f"the wrong rule was not detected (p={p:.2e})"
 
 
-def tree_samples(root, target, tmp_path, children):
-    """Samples from a DFlash topk:2,2 engine through the fused step graph, and how many steps
-    accepted a second-ranked child."""
+# Its last three tokens occurred before, followed by what the target likes to sample next: prompt
+# lookup's continuation is often accepted.
+REPEATING = [0, 1, 6, 7, 4, 6, 0, 1, 6]
+
+
+def tree_samples(root, target, tmp_path, children, prompt=PROMPT, ngram_branch=0):
+    """Samples from a DFlash topk:2,2 engine through the fused step graph (with prompt lookup's
+    branch: a hybrid tree), how many steps accepted a second-ranked child, and how many took
+    lookup's tokens."""
     from test_engine import random_dflash
 
     dpath, _ = random_dflash(target, tmp_path / "dflash", block=3)
     path = specc.compile(root / "target", drafter="dflash", drafter_path=dpath, tree="topk:2,2", backend="eager",
                          output_dir=tmp_path / "engine", max_len=32, prefill_chunk=4, progress=False,
-                         children=children, modes="sample")
+                         children=children, modes="sample", ngram_branch=ngram_branch)
     engine = specc.load(path)
-    samples, branched = [], 0
+    samples, branched, lookups = [], 0, 0
     for seed in range(RUNS):
-        r = engine.generate(PROMPT, max_new_tokens=NEW, temperature=1.0, seed=seed, stop_at_eos=False)
+        r = engine.generate(prompt, max_new_tokens=NEW, temperature=1.0, seed=seed, stop_at_eos=False)
         samples.append(tuple(r.token_ids))
         branched += sum(any(rank > 0 for rank in p) for p in r.stats.rank_paths)
-    return samples, branched
+        lookups += r.stats.lookup_accepted
+    return samples, branched, lookups
 
 
 @pytest.mark.parametrize("children", ["topk", "sampled"])
 def test_speculative_sampling_on_a_tree_matches_target(models, tmp_path, children):
     """The same test on a branching tree (sibling retries and the residual): deterministic top-k
     children with the one-hot rule, and children drawn i.i.d. from the drafter's q with the
-    min(1, p/q) rule and residuals max(p - q, 0)."""
+    min(1, p/q) rule and residuals max(p - q, 0). The top-k tree is a hybrid one (specc/hybrid.py):
+    the host overwrites drafts with prompt lookup's continuation, deterministic drafts too, so the
+    output must keep the target's distribution."""
     root, target = models
-    samples, branched = tree_samples(root, target, tmp_path, children)
+    hybrid = children == "topk"
+    prompt = REPEATING if hybrid else PROMPT
+    samples, branched, lookups = tree_samples(root, target, tmp_path, children, prompt, ngram_branch=2 if hybrid else 0)
     assert branched > 100  # second-ranked children were accepted: the sibling rule was exercised
-    p = g_test(samples, exact_distribution(target, 1.0))
+    assert lookups > 300 if hybrid else lookups == 0  # lookup's tokens were accepted often
+    p = g_test(samples, exact_distribution(target, 1.0, prompt))
     assert p > 1e-3, f"speculative samples on a tree differ from the target distribution (p={p:.2e})"
 
 
@@ -145,7 +157,7 @@ def test_sampled_children_with_a_wrong_q_are_detected(models, tmp_path, monkeypa
 
     monkeypatch.setattr(accept_pass, "accept_tree", wrong_q)
     root, target = models
-    samples, _ = tree_samples(root, target, tmp_path, "sampled")
+    samples, _, _ = tree_samples(root, target, tmp_path, "sampled")
     assert traced_with_q  # the step graph verifies sampled children with a q
     p = g_test(samples, exact_distribution(target, 1.0))
     assert p < 1e-3, f"the wrong q was not detected (p={p:.2e})"
@@ -174,26 +186,3 @@ def test_adaptive_sampling_matches_target(models, tmp_path):
     p = g_test(samples, exact_distribution(target, 1.0, prompt))
     assert p > 1e-3, f"adaptive speculative samples differ from the target distribution (p={p:.2e})"
 
-
-def test_hybrid_sampling_matches_target(models, tmp_path):
-    """The same test on a hybrid tree (DSpark's top-k tree plus prompt lookup's branch,
-    specc/hybrid.py): the host overwrites drafts with lookup's continuation, deterministic drafts
-    that the one-hot rule verifies exactly, so the output must keep the target's distribution."""
-    from test_dspark import random_dspark
-
-    root, target = models
-    # Its last three tokens occurred before, followed by what the target likes to sample next.
-    prompt = [0, 1, 6, 7, 4, 6, 0, 1, 6]
-    dpath, _ = random_dspark(target, tmp_path / "dspark", block=3)
-    path = specc.compile(root / "target", drafter="dspark", drafter_path=dpath, tree="topk:2,1", ngram_branch=2,
-                         backend="eager", output_dir=tmp_path / "engine", max_len=32, prefill_chunk=4, progress=False,
-                         modes="sample")
-    engine = specc.load(path)
-    samples, taken = [], 0
-    for seed in range(RUNS):
-        r = engine.generate(prompt, max_new_tokens=NEW, temperature=1.0, seed=seed, stop_at_eos=False)
-        samples.append(tuple(r.token_ids))
-        taken += r.stats.lookup_accepted
-    assert taken > 300  # lookup's tokens were accepted often: the overwritten drafts were exercised
-    p = g_test(samples, exact_distribution(target, 1.0, prompt))
-    assert p > 1e-3, f"hybrid speculative samples differ from the target distribution (p={p:.2e})"
