@@ -24,11 +24,11 @@ from torch import nn
 from tqdm import tqdm
 
 from . import __version__, adaptive, calibrate
-from .hybrid import branch_entry, with_ngram_branch
 from .backends import check_device, lower_graph, move_states, open_graph
 from .config import MANIFEST, CompileConfig
 from .drafters import get_kind
 from .errors import SpeccError
+from .hybrid import branch_entry, with_ngram_branch
 from .models import load_model, parse_dtype, sha256_file
 from .pipeline import example_inputs
 from .plans import build_program, graph_plans
