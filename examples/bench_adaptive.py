@@ -1,15 +1,17 @@
 """Adaptive verification against the fixed tree and plain decoding, side by side in one run.
 
-For each tree in --trees, an ngram engine with that tree (the fixed path) and one compiled with
---adaptive (the same tree as a family of step graphs) on the same backend; on each prompt set,
+For each tree in --trees, an engine of --drafter (ngram, or dspark: its family is fused steps chosen
+from its confidence head) with that tree (the fixed path) and one compiled with --adaptive (the same
+tree as a family of step graphs) on the same backend; on each prompt set,
 each prompt runs plain (through the first engine), fixed and adaptive back to back, --rounds
 times, the order rotated every round. Figures: per method the median over rounds of the median
 tokens/s over prompts (decode and prefill, the whole generate() call), tau, and how often the
 adaptive engines verified each size of tree (1 = plain). Greedy outputs are checked identical.
 
-Usage: python examples/bench_adaptive.py [--trees chain:4,chain:8] [--backend inductor] [--limit 10]
-           [--max-new-tokens 128] [--rounds 3] [--datasets humaneval,mt-bench] [--engines DIR]
-           [--write BENCHMARKS.md] [--json]
+Usage: python examples/bench_adaptive.py [--drafter ngram|dspark] [--block-size B] [--trees chain:4,chain:8]
+           [--backend inductor] [--limit 10] [--max-new-tokens 128] [--rounds 3] [--datasets humaneval,mt-bench]
+           [--engines DIR] [--write BENCHMARKS.md] [--json]
+A tree may be a JSON file of paths (as for `specc compile --tree`).
 Compiled engines are reused by directory name (after changing the compiler, use a new --engines).
 Prints the run; writes it (under History, newest first, Current figures regenerated) only with --write.
 """
@@ -24,17 +26,25 @@ from specc.data import load_prompts
 from specc.models import quiet_libraries
 
 
-def engine_dir(root: Path, tree: str, backend: str, adaptive: bool, progress: bool) -> Path:
-    out = root / f"ngram-{tree.replace(':', '')}-{backend}{'-adaptive' if adaptive else ''}"
+def tree_tag(tree: str) -> str:
+    return Path(tree).stem if tree.endswith(".json") else tree.replace(":", "")
+
+
+def engine_dir(root: Path, drafter: str, tree: str, backend: str, adaptive: bool, progress: bool,
+               block_size: int | None) -> Path:
+    out = root / f"{drafter}-{tree_tag(tree)}-{backend}{'-adaptive' if adaptive else ''}"
     if not (out / "specc.json").is_file():
-        specc.compile(None, drafter="ngram", tree=tree, backend=backend, adaptive=adaptive, output_dir=out,
-                      max_len=1024, modes="greedy", progress=progress)
+        specc.compile(None, drafter=drafter, tree=tree, backend=backend, adaptive=adaptive, output_dir=out,
+                      max_len=1024, modes="greedy", progress=progress,
+                      **({"block_size": block_size} if block_size else {}))
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     benchfile.add_arguments(ap, limit=10, max_new_tokens=128)
+    ap.add_argument("--drafter", default="ngram", choices=("ngram", "dspark"))
+    ap.add_argument("--block-size", type=int, default=None, help="dspark: the block length to run")
     ap.add_argument("--trees", default="chain:4,chain:8")
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--rounds", type=int, default=3)
@@ -48,8 +58,9 @@ def main() -> int:
     engines = {}
     for tree in trees:
         for adaptive in (False, True):
-            name = f"ngram {tree}{' adaptive' if adaptive else ''}"
-            engines[name] = specc.load(engine_dir(Path(a.engines), tree, a.backend, adaptive, not a.json))
+            name = f"{a.drafter} {tree_tag(tree)}{' adaptive' if adaptive else ''}"
+            engines[name] = specc.load(engine_dir(Path(a.engines), a.drafter, tree, a.backend, adaptive, not a.json,
+                                                  a.block_size))
     plain_engine = next(iter(engines.values()))
     methods = ["plain"] + list(engines)
     model = plain_engine.manifest["target"]["name"]

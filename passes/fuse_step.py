@@ -5,6 +5,9 @@ between: the target's step graph returns the accepted path and the taps of every
 host gathers the accepted rows and calls the drafter's step graph, which caches them and drafts
 the next tree. Fused, that gather and the drafter run inside the step graph, so a decode step is
 one call whose outputs include the next step's tree tokens.
+
+An adaptive engine (specc/adaptive.py) fuses each prefix of the tree's verify graphs with the same
+drafter graph: it verifies the prefix's `verify_size` nodes and drafts the whole next tree.
 """
 from __future__ import annotations
 
@@ -18,13 +21,14 @@ from specc.tree import Tree
 
 class FusedStep(nn.Module):
     def __init__(self, verify_step: nn.Module, draft_step: nn.Module, tree: Tree, draft: DraftSignature,
-                 table: tuple[int, int] | None = None):
+                 table: tuple[int, int] | None = None, verify_size: int | None = None):
         super().__init__()
         # `inner` keeps the target's tensor names canonical (see pipeline.canonical_name); the
         # drafter's tensors are named "draft.<its own name>".
         self.inner, self.draft, self.T = verify_step, draft_step, tree.size
-        self.verify_signature = StepSignature(tree.size, draft.sampled, mode=draft.mode, table=table)
-        self.signature = StepSignature(tree.size, draft.sampled, fused=True, mode=draft.mode, table=table,
+        k = verify_size or tree.size  # the nodes verified: the tree's first k
+        self.verify_signature = StepSignature(k, draft.sampled, mode=draft.mode, table=table)
+        self.signature = StepSignature(k, draft.sampled, fused=True, mode=draft.mode, table=table,
                                        confidence=draft.confidence)
         self.draft_signature = draft
 
@@ -53,12 +57,14 @@ class FusedStep(nn.Module):
 
 
 def fuse_step(verify_ep: torch.export.ExportedProgram, draft_ep: torch.export.ExportedProgram, tree: Tree,
-              draft: DraftSignature, table: tuple[int, int] | None = None) -> torch.export.ExportedProgram:
-    """Invariant: the program has the fused StepSignature of `draft.mode`: the target step's inputs,
+              draft: DraftSignature, table: tuple[int, int] | None = None,
+              verify_size: int | None = None) -> torch.export.ExportedProgram:
+    """Invariant: the program has the fused StepSignature of `draft.mode`: the target step's inputs
+    (tokens [verify_size]: `verify_ep` verifies the tree's first verify_size nodes, default all),
     outputs (report [2D+3], next base_len [], the next tree's tokens [T] (its root: the bonus token;
     then the drafts) (+ its q) (+ the drafter's confidences)); the target's KV cache ends as after the unfused step, and the
     drafter's cache and next drafts are exactly what its step graph (DraftSignature, T rows) gives
     for the accepted rows (ctx_start = base_len, n_ctx = n + 1) and, with sampled children, the
     draws that follow this tree's in row base_len of the uniforms table."""
-    module = FusedStep(verify_ep.module(), draft_ep.module(), tree, draft, table)
+    module = FusedStep(verify_ep.module(), draft_ep.module(), tree, draft, table, verify_size)
     return capture(module, module.signature.example_inputs())

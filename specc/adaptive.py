@@ -4,13 +4,18 @@ An adaptive engine holds a family of step graphs: the tree's first k nodes for k
 are ordered by depth, so every such prefix is a tree, closed under parents), and plain decoding
 (k = 1). At compile time each is timed on the machine that compiles it, and the drafter's
 confidence in a node is calibrated into an acceptance rate on calibration prompts. A confidence is
-a class for the whole proposal (ngram: the length of the matched suffix) and a number in [0, 1]
-per node (ngram: how many earlier occurrences agree); the rate is measured per class and bucket
-of the number. Per step the runtime takes the drafts and their confidences and runs the member
-with the most expected tokens per second:
+a class (ngram: the length of the matched suffix, one for the whole proposal; DSpark: the node's
+sibling rank) and a number in [0, 1] per node (ngram: how many earlier occurrences agree; DSpark:
+its confidence head); the rate is measured per class and bucket of the number. Per step the
+runtime takes the drafts and their confidences and runs the member with the most expected tokens
+per second:
 
     E[tokens | k] = 1 + sum over nodes 1..k-1 of prod over the node's path of rate(class, confidence)
     choice        = argmax_k E[tokens | k] / latency_k
+
+With a fused step (a drafter whose graphs draft the next tree inside the step, DSpark), every
+member verifies its prefix and drafts the whole next tree, so the next choice has every node's
+confidence; member k=1 verifies the root alone (the drafter still reads its row).
 
 Lossless by construction: the choice depends only on text already committed, never on the step's
 own uniforms (signature.uniform_columns: a call's draws are the row at its base position, used by
@@ -36,6 +41,17 @@ TIMING_ROUNDS, TIMING_CALLS = 5, 4
 def step_name(k: int, size: int) -> str:
     """The graph that verifies the tree's first k nodes: `plain` for 1, `step` for the whole tree."""
     return "plain" if k == 1 else "step" if k == size else f"step{k}"
+
+
+def fused_name(k: int, size: int) -> str:
+    """The fused step that verifies the tree's first k nodes and drafts the whole next tree."""
+    return "fused" if k == size else f"fused{k}"
+
+
+def member_names(tree: Tree, fused: bool) -> list[str]:
+    """The family's graphs, plain (k = 1) first: what an adaptive engine times and runs."""
+    name = fused_name if fused else step_name
+    return [name(k, tree.size) for k in family_sizes(tree)]
 
 
 def prefix(tree: Tree, k: int) -> Tree:
@@ -70,11 +86,13 @@ def expected_tokens(tree: Tree, rates: list[float], k: int) -> float:
     return 1.0 + math.fsum(reach[1:])
 
 
-def choose(tree: Tree, latency_ms: list[float], table: list[list[float]], confidence: tuple[int, list[float]]) -> int:
+def choose(tree: Tree, latency_ms: list[float], table: list[list[float]], confidence) -> int:
     """The family member (node count k, 1 = plain) with the most expected tokens per millisecond,
-    given the drafter's confidence (class, a number per non-root node); the smaller one on a tie."""
+    given the drafter's confidence (class, a number per non-root node; the class is one for the
+    whole proposal, or a list with one per node); the smaller one on a tie."""
     cls, values = confidence
-    rates = [1.0] + [table[cls][bucket(c)] for c in values]
+    classes = [cls] * len(values) if isinstance(cls, int) else cls
+    rates = [1.0] + [table[c][bucket(v)] for c, v in zip(classes, values)]
     best, best_k = -1.0, 1
     for k in range(1, len(latency_ms) + 1):
         score = expected_tokens(tree, rates, k) / latency_ms[k - 1]
@@ -85,15 +103,16 @@ def choose(tree: Tree, latency_ms: list[float], table: list[list[float]], confid
 
 # -- compile time --------------------------------------------------------------------------------
 
-def time_family(engine, mode: str = "greedy") -> list[float]:
-    """Milliseconds per call of each family member (plain first), interleaved rounds, medians. The
-    graphs run on constant inputs: their shapes are static, so the cost does not depend on the values."""
+def time_family(engine, mode: str = "greedy", names: list[str] | None = None) -> list[float]:
+    """Milliseconds per call of each family member (`names`, plain first; default: the unfused step
+    graphs), interleaved rounds, medians. The graphs run on constant inputs: their shapes are
+    static, so the cost does not depend on the values."""
     import torch
 
-    sizes = family_sizes(engine.tree)
+    names = names or member_names(engine.tree, fused=False)
     calls = []
-    for k in sizes:
-        key = f"{step_name(k, engine.tree.size)}_{mode}"
+    for name in names:
+        key = f"{name}_{mode}"
         # zeros for ids and lengths, ones for temperature, top-p and uniforms (no division by zero)
         dtypes = [(s, getattr(torch, d.replace("torch.", ""))) for s, d in engine.manifest["graphs"][key]["inputs"]]
         args = tuple((torch.ones if dt.is_floating_point else torch.zeros)(s, dtype=dt, device=engine.device)
@@ -101,7 +120,7 @@ def time_family(engine, mode: str = "greedy") -> list[float]:
         calls.append((engine.graphs[key], args))
     for fn, args in calls:  # warm-up
         fn(*args)
-    times: list[list[float]] = [[] for _ in sizes]
+    times: list[list[float]] = [[] for _ in names]
     for _ in range(TIMING_ROUNDS):
         for i, (fn, args) in enumerate(calls):
             t0 = time.perf_counter()
@@ -142,24 +161,54 @@ def calibrate_confidence(engine, drafter, prompts: list[list[int]], new_tokens: 
     return seen, accepted
 
 
+def calibrate_on_steps(engine, prompts: list[list[int]], new_tokens: int, classes: int):
+    """calibrate_confidence for drafters that draft from the target's hidden states (DSpark): greedy
+    speculative decoding over the whole tree on the prompts, and at every step, for each node whose
+    parent was accepted, its confidence and whether it was accepted too (greedy accepts the child
+    that is the target's own token, so a node whose parent was accepted is right exactly when it is
+    accepted). Returns (seen, accepted), each [classes][buckets]."""
+    seen, accepted = empty_counts(classes), empty_counts(classes)
+    tree = engine.tree
+    node_of = {path: i for i, path in enumerate(tree.paths)}
+    engine.record_confidences = True
+    try:
+        for ids in prompts:
+            stats = engine.generate(ids, max_new_tokens=new_tokens, stop_at_eos=False).stats
+            for ranks, (cls, values) in zip(stats.rank_paths, stats.confidences):
+                on_path = {node_of[ranks[:d]] for d in range(len(ranks) + 1)}
+                for i, c in enumerate(values, start=1):
+                    if tree.parents[i] in on_path:
+                        k = cls if isinstance(cls, int) else cls[i - 1]
+                        seen[k][bucket(c)] += 1
+                        accepted[k][bucket(c)] += i in on_path
+    finally:
+        engine.record_confidences = False
+    return seen, accepted
+
+
 def measure(engine, drafter, classes: int, texts: list[list[int]], progress: bool = False) -> dict:
     """The manifest's `adaptive` entry for a freshly built engine: the family, each member's
     latency on this machine, and the acceptance rate by confidence class and bucket, calibrated on
     the target's greedy text after each of `texts` (token ids) with `drafter` (a fresh runtime
-    drafter whose confidences come in `classes` classes)."""
+    drafter whose confidences come in `classes` classes); a drafter that reads the target's hidden
+    states is calibrated on the engine's own speculative steps instead."""
     tree = engine.tree
     mode = "greedy" if "greedy" in engine.modes else engine.modes[0]
-    latency = time_family(engine, mode)
+    fused = any(name.startswith("fused") for name in engine.graphs)
+    names = member_names(tree, fused)
+    latency = time_family(engine, mode, names)
     new_tokens = max(2, min(CALIBRATION_TOKENS, engine.max_len // 2))
     prompts = [ids[-(engine.max_len - new_tokens):] for ids in texts]
-    if "greedy" in engine.modes:
-        seen, accepted = calibrate_confidence(engine, drafter, prompts, new_tokens, classes)
-    else:  # no greedy graphs to produce the target's text with: the prior alone
+    if "greedy" not in engine.modes:  # no greedy graphs to produce the target's text with: the prior alone
         seen, accepted = empty_counts(classes), empty_counts(classes)
+    elif drafter.needs_rows:
+        seen, accepted = calibrate_on_steps(engine, prompts, new_tokens, classes)
+    else:
+        seen, accepted = calibrate_confidence(engine, drafter, prompts, new_tokens, classes)
     if progress:
         print(f"adaptive: {len(latency)} step graphs timed ({', '.join(f'{t:.1f}' for t in latency)} ms), "
               f"{sum(map(sum, seen))} drafted nodes calibrated on {len(prompts)} prompts")
-    return {"sizes": family_sizes(tree), "graphs": [step_name(k, tree.size) for k in family_sizes(tree)],
+    return {"sizes": family_sizes(tree), "graphs": names, "fused": fused,
             "latency_ms": latency, "timed_mode": mode, "edges": list(EDGES), "seen": seen, "accepted": accepted,
             "rates": [[round(r, 4) for r in row] for row in rates_from_counts(seen, accepted)],
             "calibration": {"prompts": len(prompts), "new_tokens": new_tokens}}

@@ -134,7 +134,8 @@ def measure_family(stage: Path, progress: bool) -> None:
                                                                           adaptive.CALIBRATION_PROMPTS)]
     kind = get_kind(m["drafter"]["kind"])
     drafter = kind.runtime(engine.graphs, engine.tree, m["drafter"], engine.chunk, engine.device)
-    m["adaptive"] = adaptive.measure(engine, drafter, kind.confidence_classes(m["drafter"]), texts, progress)
+    m["adaptive"] = adaptive.measure(engine, drafter, kind.confidence_classes(m["drafter"], engine.tree), texts,
+                                     progress)
     (stage / MANIFEST).write_text(json.dumps(m, indent=1, default=str))
 
 

@@ -96,6 +96,9 @@ class CompileConfig:
             if self.backend == "tensorrt":
                 raise SpeccError("--adaptive times its step graphs where they are compiled, which a tensorrt engine "
                                  "cannot do before `specc build`; use --backend onnx or inductor.")
+            if self.ngram_branch:
+                raise SpeccError("--adaptive chooses from the drafter's confidences, which prompt lookup's branch "
+                                 "lacks; use --adaptive or --ngram-branch, not both.")
         self._check_ngram_branch(kind)
         kind.check(self)
 

@@ -23,7 +23,7 @@ from specc.passes.sample_last import sample_last
 from specc.passes.tree_attention import tree_attention
 from specc.passes.tree_inputs import tree_inputs
 
-from .adaptive import family_sizes, prefix, step_name
+from .adaptive import family_sizes, fused_name, prefix, step_name
 from .pipeline import Pipeline, capture
 from .signature import MODES, SampledChildren, graph_name, uniform_columns
 from .tree import Tree, chain
@@ -78,7 +78,8 @@ def decode_plans(name: str, module: str, tree: Tree, cache_len: int, backend: st
 def graph_plans(kind, tree: Tree, chunk: int, cache_len: int, backend: str = "eager",
                 sampled: SampledChildren | None = None, modes=MODES, adaptive: bool = False) -> list[GraphPlan]:
     """The engine's graphs for drafter `kind` (a module of specc.drafters), `tree` and sampling `modes`;
-    `adaptive` adds a step graph for each of the tree's node-count prefixes (specc/adaptive.py)."""
+    `adaptive` adds a step graph for each of the tree's node-count prefixes (specc/adaptive.py), and
+    where the kind fuses its step, a fused step for each (it drafts the whole next tree)."""
     table = uniform_table(cache_len, tree, sampled)  # every graph of a generation reads the one table
     plans = (prefill_plans("prefill", "target", chunk, cache_len, backend, modes, table)
              + decode_plans("plain", "target", chain(0), cache_len, backend, modes, table=table))
@@ -88,7 +89,12 @@ def graph_plans(kind, tree: Tree, chunk: int, cache_len: int, backend: str = "ea
                                   sampled, table)
     if tree.size > 1:
         plans += decode_plans("step", "target", tree, cache_len, backend, modes, sampled, table)
-    return plans + kind.plans(tree, chunk, cache_len, backend, sampled, modes)
+    own = kind.plans(tree, chunk, cache_len, backend, sampled, modes)
+    if adaptive:
+        own += [GraphPlan(graph_name(fused_name(k, tree.size), p.mode), "fused", k, Pipeline(),
+                          fuse=(graph_name(step_name(k, tree.size), p.mode), p.fuse[1]), mode=p.mode, table=p.table)
+                for p in own if p.fuse is not None for k in family_sizes(tree)[:-1]]
+    return plans + own
 
 
 def uniform_table(cache_len: int, tree: Tree, sampled: SampledChildren | None) -> tuple[int, int]:
@@ -104,7 +110,7 @@ def build_program(plan: GraphPlan, modules: dict[str, nn.Module], built: dict, t
     if plan.fuse is not None:
         verify_name, draft_name = plan.fuse
         ep = fuse_step(built[verify_name], built[draft_name], tree, modules["draft"].signature(plan.mode or "greedy"),
-                       plan.table)
+                       plan.table, plan.T)
     elif plan.base is not None:
         key, base_dump = ("base", plan.base.name), Path(dump_dir) / ".base" if dump_dir else None
         if key not in built:  # left uncaptured when it ends in wrapping passes: each mode captures once

@@ -7,7 +7,8 @@ Each decode call returns what the next one takes (the committed length and the n
 root, and with a fused step the next tree's drafts), so those never leave the device, and a small
 report (accepted count, path, tokens) that the host reads once per step: the only device-to-host
 read of a step on the plain and fused paths and with host drafters that need no reads of their own
-(ngram). The draft-model drafter reads each draft token it makes.
+(ngram). The draft-model drafter reads each draft token it makes; an adaptive fused engine also
+reads the next drafts' confidences, to choose the next call's graph.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from .adaptive import choose, step_name
+from .adaptive import choose, fused_name, step_name
 from .errors import SpeccError
 from .hybrid import NgramBranch
 from .prefill import prefill, tap_rows
@@ -50,6 +51,9 @@ class Stats:
     # those whose accepted path went through a node it wrote.
     lookup_steps: int = 0
     lookup_accepted: int = 0
+    # Per speculative step (beside rank_paths), the confidences of the nodes it verified, (class or a
+    # class per node, values), where the engine read them: adaptive engines, and their calibration.
+    confidences: list[tuple] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"new_tokens": self.new_tokens, "steps": self.steps, "tau": round(self.tau, 4),
@@ -81,6 +85,7 @@ class Run:
     next_q: torch.Tensor | None = None
     next_confidence: torch.Tensor | None = None  # a DSpark drafter's confidence in each of next_tokens' drafts
     lookup_nodes: list[int] = field(default_factory=list)  # the nodes prompt lookup wrote in this call's tree
+    confidence: tuple | None = None  # this call's drafts' confidences, where read (Stats.confidences)
 
 
 @dataclass
@@ -108,10 +113,12 @@ class Engine:
         self.sampled = SampledChildren.from_entry(manifest["drafter"], manifest["target"]["vocab_size"])
         self.rates = manifest["drafter"].get("confidence", False)  # its fused graph returns confidences
         self.modes = tuple(manifest.get("modes", MODES))
-        self._report_buffers: dict[int, torch.Tensor] = {}  # pinned host buffers for the reports (CUDA)
+        self._report_buffers: dict[tuple, torch.Tensor] = {}  # pinned host buffers for the reports (CUDA)
         # Adaptive verification (specc/adaptive.py): the family's latencies and the calibrated rates.
         entry = manifest.get("adaptive") or {}
         self.adaptive = entry if "latency_ms" in entry else None
+        # Read each step's confidences into Stats.confidences (adaptive.calibrate_on_steps sets it).
+        self.record_confidences = False
         # `--tree auto` found plain decoding fastest on its calibration prompts: the engine decodes
         # plainly unless it chooses per step (adaptive).
         self.speculates = manifest["tree"].get("picked") != "plain" or self.adaptive is not None
@@ -211,7 +218,8 @@ class Engine:
             return graphs
         from .cuda_graphs import capture
 
-        for name in ("plain", "step", "fused"):
+        # Every decode graph: plain, the step and the fused step, and an adaptive family's members.
+        for name in [n for n in graphs if n == "plain" or n.startswith(("step", "fused"))]:
             key = graph_name(name, mode) if graph_name(name, mode) in self.graphs else name
             if key in self.graphs:
                 if key not in self._captured:
@@ -230,14 +238,15 @@ class Engine:
             return torch.tensor(tokens, dtype=torch.int64)
         return torch.tensor(tokens, dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
 
-    def _read(self, report: torch.Tensor) -> list[int]:
-        """The step's one device-to-host read: its report, through a pinned buffer on CUDA."""
+    def _read(self, report: torch.Tensor) -> list:
+        """The step's one device-to-host read: its report (or an adaptive engine's confidences),
+        through a pinned buffer on CUDA."""
         if self.device.type != "cuda":
             return report.tolist()
-        host = self._report_buffers.get(report.shape[0])
+        key = (report.shape[0], report.dtype)
+        host = self._report_buffers.get(key)
         if host is None:
-            host = self._report_buffers[report.shape[0]] = torch.empty(report.shape, dtype=report.dtype,
-                                                                       pin_memory=True)
+            host = self._report_buffers[key] = torch.empty(report.shape, dtype=report.dtype, pin_memory=True)
         host.copy_(report, non_blocking=True)
         torch.cuda.current_stream(self.device).synchronize()
         return host.tolist()
@@ -266,12 +275,14 @@ class Engine:
         if not found:
             return self._plain_step(run)
         T, sig, name = self.tree.size, run.signatures[1], "step"
+        if self.adaptive is not None or self.record_confidences:
+            run.confidence = self.drafter.confidences()
         if self.adaptive is not None:  # the family member with the most expected tokens per second
-            T = choose(self.tree, self.adaptive["latency_ms"], self.adaptive["rates"], self.drafter.confidences())
-            if T == 1:
+            T = choose(self.tree, self.adaptive["latency_ms"], self.adaptive["rates"], run.confidence)
+            if T == 1 and not self.drafter.needs_rows:
                 return self._plain_step(run)
             sig, name = StepSignature(T, self.sampled, mode=run.mode), step_name(T, self.tree.size)
-        drafts = drafts if isinstance(drafts, torch.Tensor) else self._upload(drafts[: T - 1])
+        drafts = drafts[: T - 1] if isinstance(drafts, torch.Tensor) else self._upload(drafts[: T - 1])
         tokens = self._with_lookup(run, torch.cat((self._root(run), drafts)))
         res = sig.unpack(run.graphs[name](*sig.args(tokens, run.base_dev, run.temperature, run.top_p, run.table,
                                                     self.drafter.q)))
@@ -285,17 +296,25 @@ class Engine:
     def _fused_step(self, run: "Run"):
         """One graph per step: it verifies, updates the drafter and returns the next tree (root and
         drafts) and its q, which stay on the device for the next call. The first proposal (which
-        flushes the prompt's rows) comes from the drafter's own graphs."""
-        T, sig = self.tree.size, run.signatures[2]
+        flushes the prompt's rows) comes from the drafter's own graphs. An adaptive engine reads the
+        drafts' confidences and runs the family member that verifies the first k nodes."""
+        T, sig, name = self.tree.size, run.signatures[2], "fused"
         if run.next_tokens is None:
             drafts, _ = self.drafter.propose(run.committed)
             drafts = drafts if isinstance(drafts, torch.Tensor) else self._upload(drafts[: T - 1])
-            tokens, q = torch.cat((self._root(run), drafts)), self.drafter.q
+            tokens, q, confidence = torch.cat((self._root(run), drafts)), self.drafter.q, self.drafter.confidence
         else:
-            tokens, q = run.next_tokens, run.next_q
+            tokens, q, confidence = run.next_tokens, run.next_q, run.next_confidence
+        if confidence is not None and (self.adaptive is not None or self.record_confidences):
+            run.confidence = (list(self.tree.ranks[1:]), self._read(confidence))
+        if self.adaptive is not None and run.confidence is not None:
+            k = choose(self.tree, self.adaptive["latency_ms"], self.adaptive["rates"], run.confidence)
+            if k < T:
+                sig = StepSignature(k, self.sampled, fused=True, mode=run.mode, confidence=self.rates)
+                name, tokens, T = fused_name(k, T), tokens[:k], k
         tokens = self._with_lookup(run, tokens)
-        res = sig.unpack(run.graphs["fused"](*sig.args(tokens, run.base_dev, run.temperature, run.top_p, run.table,
-                                                       q)))
+        res = sig.unpack(run.graphs[name](*sig.args(tokens, run.base_dev, run.temperature, run.top_p, run.table,
+                                                    q)))
         run.next_tokens, run.next_q, run.next_confidence = res.tokens, res.next_q, res.confidence
         return self._advance(run, res), T
 
@@ -312,6 +331,10 @@ class Engine:
         (cut at the budget and at EOS), and advance the committed length."""
         if size > 1:
             stats.rank_paths.append(tuple(self.tree.ranks[i] for i in path[1: n + 1]))
+            if run.confidence is not None and self.record_confidences:
+                cls, values = run.confidence
+                stats.confidences.append((cls if isinstance(cls, int) else cls[: size - 1], values[: size - 1]))
+        run.confidence = None
         if run.lookup_nodes:
             stats.lookup_steps += 1
             stats.lookup_accepted += bool(set(path[1: n + 1]) & set(run.lookup_nodes))

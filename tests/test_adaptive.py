@@ -1,6 +1,7 @@
 """Adaptive verification (specc/adaptive.py): the choice of step graph, the ngram drafter's
-confidences against a brute-force count, and an adaptive engine end to end (greedy identity, the
-manifest's family, `specc inspect`). The sampling test is in test_sampling.py."""
+confidences against a brute-force count, and adaptive engines end to end (ngram: host drafts and
+step graphs; DSpark: a family of fused steps chosen from its confidence head): greedy identity, the
+manifest's family, `specc inspect`. The sampling tests are in test_sampling.py."""
 import json
 
 import numpy as np
@@ -29,6 +30,16 @@ def test_choice_follows_confidence():
     # The class picks the row: the same numbers from a weaker kind of match verify less.
     two = [[0.05] * 6, RATES[0]]
     assert choose(tree, LATENCY, two, (0, [0.9, 0.9, 0.9])) == 1 and choose(tree, LATENCY, two, (1, [0.9] * 3)) == 4
+
+
+def test_choice_with_a_class_per_node():
+    """DSpark's classes are the nodes' sibling ranks: the same confidence on a second-ranked child
+    reads that rank's (lower) rates."""
+    tree = parse_tree("topk:1,2")  # root; children ranked 0 and 1
+    table = [RATES[0], [0.05] * 6]
+    assert choose(tree, LATENCY[:3], table, ([0, 1], [0.9, 0.9])) == 2  # the rank-1 child does not pay
+    assert choose(tree, LATENCY[:3], [RATES[0]] * 2, ([0, 1], [0.9, 0.9])) == 3
+    assert choose(tree, LATENCY[:3], table, ([0, 1], [0.0, 0.9])) == 1
 
 
 def test_expected_tokens_of_a_tree_prefix():
@@ -138,9 +149,64 @@ def test_time_family_script_times_each_member(adaptive_engine):
 
 @pytest.mark.parametrize("options, words", [({"drafter": "draft-model"}, "--adaptive needs a drafter"),
                                             ({"drafter": "ngram", "backend": "tensorrt", "device": "cuda"},
-                                             "--adaptive times its step graphs")])
+                                             "--adaptive times its step graphs"),
+                                            ({"drafter": "dspark", "drafter_path": "x", "ngram_branch": 2},
+                                             "not both")])
 def test_adaptive_refusals(tmp_path, options, words):
     from specc.config import CompileConfig
 
     with pytest.raises(SpeccError, match=words):
         CompileConfig(output_dir=tmp_path / "e", adaptive=True, **options)
+
+
+@pytest.fixture(scope="module")
+def dspark_adaptive(tmp_path_factory):
+    from test_dspark import random_dspark
+
+    root = tmp_path_factory.mktemp("dspark-adaptive")
+    model = tiny_model("llama", vocab=64, layers=3, seed=2)
+    model.save_pretrained(root / "m")
+    dpath, _ = random_dspark(model, root / "ds", block=3)
+    (root / "tree.json").write_text("[[0], [1], [0, 0]]")  # two ranks, two deep: four members
+    path = specc.compile(root / "m", drafter="dspark", drafter_path=dpath, tree=str(root / "tree.json"), adaptive=True,
+                         backend="eager", output_dir=root / "e", max_len=96, prefill_chunk=8, progress=False,
+                         modes="greedy,sample")
+    return model, path
+
+
+def test_dspark_adaptive_engine_chooses_fused_steps_from_its_confidences(dspark_adaptive, specc_cli):
+    """A DSpark engine's family is fused steps (each verifies a prefix and drafts the whole next
+    tree), calibrated by sibling rank on its own steps. With rates that rise with the confidence,
+    the choice varies from step to step with the confidence head's numbers, and the output is the
+    target's, fused and unfused; sampling gives the same tokens both ways."""
+    from test_engine import PROMPT, hf_greedy
+
+    model, path = dspark_adaptive
+    manifest = json.loads((path / "specc.json").read_text())
+    fam = manifest["adaptive"]
+    assert fam["fused"] and fam["graphs"] == ["fused1", "fused2", "fused3", "fused"]
+    assert len(fam["seen"]) == 2 and sum(map(sum, fam["seen"])) > 0  # two sibling ranks, nodes observed
+    assert {f"fused{k}_{m}" for k in range(1, 4) for m in ("greedy", "sample")} <= set(manifest["graphs"])
+    engine = specc.load(path)
+    engine.adaptive = {**engine.adaptive, "latency_ms": LATENCY, "rates": RATES * 2}
+    prompt = PROMPT * 3
+    runs = {}
+    for use_fused in (True, False):
+        engine.use_fused = use_fused
+        runs[use_fused] = [engine.generate(prompt, max_new_tokens=40, stop_at_eos=False, temperature=t, seed=1)
+                           for t in (0.0, 0.8)]
+    assert runs[True][0].token_ids == hf_greedy(model, prompt, 40)
+    assert [r.token_ids for r in runs[True]] == [r.token_ids for r in runs[False]]
+    sizes = [r.stats.verified_sizes for r in runs[True]]
+    assert sizes == [r.stats.verified_sizes for r in runs[False]]  # the same choices both ways
+    assert len(set(sizes[0]) | set(sizes[1])) >= 2, sizes  # the choice follows the confidences
+    # Rates that never pay verify the root alone (the drafter still reads every committed row);
+    # rates that always pay, the whole tree.
+    engine.use_fused = True
+    for rate, size in ((0.0, 1), (0.99, 4)):
+        engine.adaptive = {**engine.adaptive, "rates": [[rate] * 6] * 2}
+        r = engine.generate(prompt, max_new_tokens=24, stop_at_eos=False)
+        assert set(r.stats.verified_sizes) == {size} and r.token_ids == hf_greedy(model, prompt, 24)
+    out = specc_cli("inspect", path)
+    assert out.returncode == 0, out.stderr
+    assert "fused2" in out.stdout and "acceptance rate" in out.stdout

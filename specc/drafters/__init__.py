@@ -9,7 +9,7 @@ Constants:
     MEASURED_TREES      whether --tree sequoia:BUDGET / auto can measure its ranked candidates
     SAMPLED_CHILDREN    whether --children sampled applies
     ADAPTIVE            whether --adaptive applies (specc/adaptive.py): the kind then also has
-                        confidence_classes(entry) -> int, and its runtime side confidences()
+                        confidence_classes(entry, tree) -> int, and its runtime side confidences()
     NGRAM_BRANCH        whether --ngram-branch applies (specc/hybrid.py): it fills a static tree with
                         deterministic drafts from its graphs, which the host may overwrite
     OPTIONS             the CompileConfig fields of drafter options it takes (drafter_path, ...)
@@ -32,9 +32,9 @@ A RuntimeDrafter has the attributes `needs_rows` (it reads the target's taps: `a
 start)`) and `q` (the last proposal's q, with sampled children), and the methods start(prompt_ids, mode, temperature, top_p, table) (table:
 the generation's uniforms, signature.uniform_columns; None when greedy), propose(committed) ->
 (drafts, found) (drafts: a list of ints, or a tensor on the engine's device that never visits the
-host) and accepted(committed, n_accepted); with ADAPTIVE, also confidences() -> (class, [a number in
-[0, 1] per drafted node]) for the last proposal (the adaptive engine calibrates them into acceptance
-rates per class).
+host) and accepted(committed, n_accepted); with ADAPTIVE, also confidences() -> (class, or a list
+of a class per drafted node; [a number in [0, 1] per drafted node]) for the last proposal (the
+adaptive engine calibrates them into acceptance rates per class).
 """
 from __future__ import annotations
 

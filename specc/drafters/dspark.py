@@ -18,7 +18,7 @@ NAME = "dspark"
 DEFAULT_TREE = "sequoia:8"
 DRAFTS = FILLS_TREES = MEASURED_TREES = True
 SAMPLED_CHILDREN = False  # a node's children depend on its token: no per-depth q to draw them from
-ADAPTIVE = False  # its drafts carry no confidences the host loop reads yet
+ADAPTIVE = True  # its confidence head rates each draft: --adaptive applies (classes: sibling ranks)
 NGRAM_BRANCH = True  # it fills a static tree from graphs: --ngram-branch adds lookup's branch
 OPTIONS = frozenset({"drafter_path", "block_size"})
 
@@ -40,6 +40,11 @@ def load(cfg, target_hf):
                          f"of {trained} and runs on blocks of 1 to {trained}.")
     check_fits(drafter.config, target_hf.config, "DSpark", least_block=1)
     return drafter
+
+
+def confidence_classes(entry: dict, tree: Tree) -> int:
+    """Classes of its confidences (--adaptive): a node's sibling rank."""
+    return max(tree.ranks) + 1
 
 
 def calibration_depth(cfg, drafter) -> int:

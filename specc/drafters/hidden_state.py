@@ -65,6 +65,7 @@ class HiddenStateDrafter:
     def __init__(self, tree: Tree, graphs: dict, chunk: int, device, sampled: SampledChildren | None,
                  confidence: bool = False):
         self.k = tree.size - 1  # the step graph returns one draft per non-root node
+        self.tree_ranks = tree.ranks[1:]
         self.device, self.graphs, self.sampled, self.rates = device, graphs, sampled, confidence
         self.chunk, self.step_rows = chunk, tree.size
         self.q = self.confidence = None
@@ -119,3 +120,7 @@ class HiddenStateDrafter:
 
     def accepted(self, committed: list[int], n_accepted: int) -> None:
         pass
+
+    def confidences(self) -> tuple[list[int], list[float]]:
+        """The last proposal's confidences (--adaptive): each node's class is its sibling rank."""
+        return list(self.tree_ranks), self.confidence.tolist()

@@ -44,7 +44,7 @@ def entry(cfg, weights, tree) -> dict:
     return {"kind": NAME, "max_ngram": MAX_NGRAM, "min_ngram": 1 if cfg.adaptive else MIN_NGRAM}
 
 
-def confidence_classes(entry: dict) -> int:
+def confidence_classes(entry: dict, tree) -> int:
     """Classes of its confidences (--adaptive): the matched suffix's length, 1 .. max_ngram."""
     return entry["max_ngram"]
 
