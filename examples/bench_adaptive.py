@@ -26,6 +26,9 @@ from specc.data import load_prompts
 from specc.models import quiet_libraries
 
 
+TITLES = {"ngram": "Adaptive verification", "dspark": "Adaptive verification from DSpark's confidence head"}
+
+
 def tree_tag(tree: str) -> str:
     return Path(tree).stem if tree.endswith(".json") else tree.replace(":", "")
 
@@ -118,7 +121,7 @@ def main() -> int:
              f"{a.limit} prompts of each set, chat template on, EOS ignored; warm-up excluded; each prompt runs every "
              f"method back to back, {a.rounds} rounds, order rotated; figure = median over rounds of the median over "
              f"prompts of tokens/s (whole generate() call); tau and verified sizes from the first round.")
-    return benchfile.finish(a, benchfile.new_run("Adaptive verification", figures, command=cmd), setup,
+    return benchfile.finish(a, benchfile.new_run(TITLES[a.drafter], figures, command=cmd), setup,
                             "\n".join(lines))
 
 

@@ -151,13 +151,14 @@ def calibrate_confidence(engine, drafter, prompts: list[list[int]], new_tokens: 
                 continue
             right = [True] + [False] * (tree.size - 1)
             cls, values = drafter.confidences()
-            for i, c in enumerate(values, start=1):
+            classes = [cls] * len(values) if isinstance(cls, int) else cls
+            for i, (k, c) in enumerate(zip(classes, values), start=1):
                 pos = p - 1 + tree.depths[i]
                 if not right[tree.parents[i]] or pos >= len(text):
                     continue
                 right[i] = drafts[i - 1] == text[pos]
-                seen[cls][bucket(c)] += 1
-                accepted[cls][bucket(c)] += right[i]
+                seen[k][bucket(c)] += 1
+                accepted[k][bucket(c)] += right[i]
     return seen, accepted
 
 
@@ -176,9 +177,9 @@ def calibrate_on_steps(engine, prompts: list[list[int]], new_tokens: int, classe
             stats = engine.generate(ids, max_new_tokens=new_tokens, stop_at_eos=False).stats
             for ranks, (cls, values) in zip(stats.rank_paths, stats.confidences):
                 on_path = {node_of[ranks[:d]] for d in range(len(ranks) + 1)}
-                for i, c in enumerate(values, start=1):
+                classes = [cls] * len(values) if isinstance(cls, int) else cls
+                for i, (k, c) in enumerate(zip(classes, values), start=1):
                     if tree.parents[i] in on_path:
-                        k = cls if isinstance(cls, int) else cls[i - 1]
                         seen[k][bucket(c)] += 1
                         accepted[k][bucket(c)] += i in on_path
     finally:

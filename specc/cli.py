@@ -34,7 +34,8 @@ def cmd_compile(a) -> int:
                            drafter_path=a.drafter_path, drafter_layers=a.drafter_layers, dtype=a.dtype,
                            block_size=a.block_size, device=a.device, children=a.children, max_len=a.max_len,
                            prefill_chunk=a.prefill_chunk, dump_ir=a.dump_ir, progress=not a.json,
-                           adaptive=a.adaptive, ngram_branch=a.ngram_branch, **({"modes": a.modes} if a.modes else {}))
+                           adaptive=a.adaptive, ngram_branch=a.ngram_branch, ngram_corpus=a.ngram_corpus,
+                           **({"modes": a.modes} if a.modes else {}))
     out = specc.compile(config=config)
     manifest = json.loads((out / "specc.json").read_text())
     if a.json:
@@ -289,6 +290,11 @@ def add_compile(sub) -> None:
     c.add_argument("--adaptive", action="store_true",
                    help="ngram: also compile a step graph for each prefix of the tree, time them here, and per step "
                         "verify the one with the most expected tokens per second (plain decoding when drafts look poor)")
+    c.add_argument("--ngram-corpus", default=None, metavar="SOURCE",
+                   help="ngram: also draft from a table of what followed each 1-3 token context in a corpus, where "
+                        "prompt lookup finds no match of 2 tokens: sharegpt (ShareGPT's assistant turns, tokenized at "
+                        "compile time), none, or a .jsonl file of {\"text\": ...} or {\"ids\": [...]} lines; default: "
+                        "sharegpt when the model has a tokenizer")
     c.add_argument("--ngram-branch", type=int, default=0, metavar="K",
                    help="mtp, dflash, dspark: add a chain of K nodes under the root that the runtime fills with prompt "
                         "lookup's continuation of the text (a hybrid tree: lookup's long matches on code and "

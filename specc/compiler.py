@@ -77,7 +77,7 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
     window = sliding_window_limit(target.model.config)
     if window is not None and cfg.max_len > window:
         raise SpeccError(f"the model uses sliding-window attention of {window} tokens; use --max-len {window} or less.")
-    weights = kind.load(cfg, target.model)
+    weights = kind.load(cfg, target.model, target.tokenizer)
     tree, report = cfg.parsed_tree, None
     if cfg.measured_tree:
         cfg = replace(cfg, **kind.calibration_options(cfg, weights))
@@ -133,9 +133,9 @@ def measure_family(stage: Path, progress: bool) -> None:
     texts = [engine.encode(p, chat) for p in calibrate.calibration_inputs(engine.tokenizer, m["target"]["vocab_size"],
                                                                           adaptive.CALIBRATION_PROMPTS)]
     kind = get_kind(m["drafter"]["kind"])
-    drafter = kind.runtime(engine.graphs, engine.tree, m["drafter"], engine.chunk, engine.device)
-    m["adaptive"] = adaptive.measure(engine, drafter, kind.confidence_classes(m["drafter"], engine.tree), texts,
-                                     progress)
+    # The engine's own drafter: calibration runs the target plainly (ngram) or runs the engine itself.
+    m["adaptive"] = adaptive.measure(engine, engine.drafter, kind.confidence_classes(m["drafter"], engine.tree),
+                                     texts, progress)
     (stage / MANIFEST).write_text(json.dumps(m, indent=1, default=str))
 
 
@@ -336,7 +336,8 @@ def load(path, check_hashes: bool = True, device: str | None = None, cuda_graphs
         tokenizer = None
     entry, tree = manifest["drafter"], tree_from_paths(manifest["tree"]["paths"])
     kind, cache_len, chunk = get_kind(entry["kind"]), manifest["cache_len"], manifest["prefill_chunk"]
-    modules = build_modules(kind, model, kind.load_saved(path / "draft", entry, model, dtype), entry, tree, cache_len)
+    weights = kind.load_saved(path / "draft", entry, model, dtype)
+    modules = build_modules(kind, model, weights, entry, tree, cache_len)
     plans = {p.name: p for p in graph_plans(kind, tree, chunk, cache_len, backend, modules.sampled,
                                             manifest["modes"], "adaptive" in manifest)}
     states = move_states(modules.states(), device)
@@ -346,7 +347,7 @@ def load(path, check_hashes: bool = True, device: str | None = None, cuda_graphs
             raise SpeccError(f"graph {name} in the manifest does not match this engine's tree and drafter; "
                              f"compile the engine again.")
         graphs[name] = checked(open_graph(backend, path, g, states[g["module"]], device, cuda_graphs), name, g["inputs"])
-    drafter = kind.runtime(graphs, tree, entry, chunk, device)
+    drafter = kind.runtime(graphs, tree, entry, chunk, device, weights)
     return Engine(manifest, graphs, tokenizer, drafter, tree, path=path, device=device, cuda_graphs=cuda_graphs)
 
 

@@ -21,7 +21,8 @@ from .tree import MAX_TREE_NODES, Tree, chain, is_measured, parse_tree
 MANIFEST = "specc.json"
 CHILDREN = ("topk", "sampled")
 MAX_NGRAM_BRANCH = 16  # deeper than lookup's continuations usefully reach
-DRAFTER_OPTIONS = {"drafter_path": "--drafter-path", "drafter_layers": "--drafter-layers", "block_size": "--block-size"}
+DRAFTER_OPTIONS = {"drafter_path": "--drafter-path", "drafter_layers": "--drafter-layers", "block_size": "--block-size",
+                   "ngram_corpus": "--ngram-corpus"}
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class CompileConfig:
     drafter_path: str | Path | None = None
     drafter_layers: int | None = None
     block_size: int | None = None
+    # ngram: a table of what followed each short context in a corpus (specc/corpus.py): "sharegpt",
+    # "none", or a .jsonl file of {"text": ...} or {"ids": [...]} lines; None: sharegpt when the
+    # target has a tokenizer, else none.
+    ngram_corpus: str | Path | None = None
     children: str = "topk"
     # The sampling modes whose graphs the engine carries (greedy, sample, top_p): a string "a,b" or a tuple.
     modes: str | tuple[str, ...] = MODES

@@ -16,7 +16,8 @@ Constants:
 
 Functions (cfg: CompileConfig; target_hf: the Hugging Face target; weights: whatever `load` returns):
     check(cfg)                                     refusals that need no model (before any slow work)
-    load(cfg, target_hf) -> weights                the drafter for a compile (refuses one that does not fit)
+    load(cfg, target_hf, tokenizer) -> weights     the drafter for a compile (refuses one that does not fit;
+                                                   tokenizer: the target's, or None)
     calibration_depth(cfg, weights) -> int         the deepest comb a measured tree may use
     calibration_options(cfg, weights) -> dict      CompileConfig fields that a measured tree's engines
                                                    keep as the comb had them (a block drafter's block)
@@ -26,7 +27,8 @@ Functions (cfg: CompileConfig; target_hf: the Hugging Face target; weights: what
     taps(entry, num_layers) -> tuple[int, ...]     the target hidden states it reads (TargetModule taps)
     module(weights, target, entry, tree, cache_len) -> nn.Module | None   what the compiler captures
     plans(tree, chunk, cache_len, backend, sampled, modes) -> list[GraphPlan]  its graphs (specc.plans)
-    runtime(graphs, tree, entry, chunk, device) -> RuntimeDrafter | None  its side of the host loop
+    runtime(graphs, tree, entry, chunk, device, weights) -> RuntimeDrafter | None  its side of the host
+                                                   loop (weights: what load_saved returned)
 
 A RuntimeDrafter has the attributes `needs_rows` (it reads the target's taps: `add_rows(rows,
 start)`) and `q` (the last proposal's q, with sampled children), and the methods start(prompt_ids, mode, temperature, top_p, table) (table:

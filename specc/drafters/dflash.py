@@ -29,7 +29,7 @@ def drafter_path(cfg):
                                      ", e.g. one written by `specc train`")
 
 
-def load(cfg, target_hf):
+def load(cfg, target_hf, tokenizer=None):
     path = drafter_path(cfg)
     drafter = load_dflash(path, cfg.torch_dtype)
     trained = drafter.config.block_size
@@ -82,5 +82,5 @@ def plans(tree: Tree, chunk: int, cache_len: int, backend: str, sampled, modes) 
     return hidden_state.plans(tree, chunk, cache_len, backend, sampled, modes)
 
 
-def runtime(graphs: dict, tree: Tree, entry: dict, chunk: int, device):
+def runtime(graphs: dict, tree: Tree, entry: dict, chunk: int, device, weights=None):
     return hidden_state.runtime(graphs, tree, entry, chunk, device)

@@ -25,7 +25,7 @@ def check(cfg) -> None:
     pass
 
 
-def load(cfg, target_hf):
+def load(cfg, target_hf, tokenizer=None):
     """The draft model's HF module (the target itself when truncating it) and its layer count."""
     if cfg.drafter_path is None:
         return target_hf, cfg.drafter_layers or max(1, target_hf.config.num_hidden_layers // 4), None
@@ -76,7 +76,7 @@ def plans(tree: Tree, chunk: int, cache_len: int, backend: str, sampled, modes) 
     return [replace(p, name=p.base.name, mode=None) for p in greedy]
 
 
-def runtime(graphs: dict, tree: Tree, entry: dict, chunk: int, device):
+def runtime(graphs: dict, tree: Tree, entry: dict, chunk: int, device, weights=None):
     return DraftModelDrafter(tree, graphs["draft_prefill"], graphs["draft_step"], chunk, device)
 
 

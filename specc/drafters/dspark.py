@@ -32,7 +32,7 @@ def drafter_path(cfg):
                                      ", e.g. one written by `specc train --drafter dspark`")
 
 
-def load(cfg, target_hf):
+def load(cfg, target_hf, tokenizer=None):
     drafter = load_dspark(drafter_path(cfg), cfg.torch_dtype)
     trained = drafter.config.block_size
     if cfg.block_size is not None and not 1 <= cfg.block_size <= trained:
@@ -88,5 +88,5 @@ def plans(tree: Tree, chunk: int, cache_len: int, backend: str, sampled, modes) 
     return hidden_state.plans(tree, chunk, cache_len, backend, None, modes)
 
 
-def runtime(graphs: dict, tree: Tree, entry: dict, chunk: int, device):
+def runtime(graphs: dict, tree: Tree, entry: dict, chunk: int, device, weights=None):
     return hidden_state.runtime(graphs, tree, entry, chunk, device)

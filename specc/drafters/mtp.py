@@ -27,7 +27,7 @@ def drafter_path(cfg):
                                      ", e.g. one written by `specc train --drafter mtp`")
 
 
-def load(cfg, target_hf):
+def load(cfg, target_hf, tokenizer=None):
     path = drafter_path(cfg)
     heads = load_mtp(path, target_hf)  # refuses a checkpoint of another hidden size
     check_engine_heads(heads)
@@ -71,5 +71,5 @@ def plans(tree: Tree, chunk: int, cache_len: int, backend: str, sampled, modes) 
     return hidden_state.plans(tree, chunk, cache_len, backend, sampled, modes)
 
 
-def runtime(graphs: dict, tree: Tree, entry: dict, chunk: int, device):
+def runtime(graphs: dict, tree: Tree, entry: dict, chunk: int, device, weights=None):
     return hidden_state.runtime(graphs, tree, entry, chunk, device)

@@ -1,12 +1,18 @@
 """Drafter kind `ngram`: prompt lookup. The drafts are what followed earlier occurrences of the
 text's last few tokens (in the prompt or the text generated so far); several matches fill a tree.
+Where lookup finds no match of CORPUS_MIN_LOOKUP tokens, a corpus table (specc/corpus.py) drafts
+what followed the text's last 1-3 tokens most often in a corpus (ShareGPT by default).
 No graphs of its own: the runtime side proposes, the target's step graph verifies."""
 from __future__ import annotations
 
+import json
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 
+from .. import corpus as corpus_table
+from ..errors import SpeccError
 from ..tree import Tree
 
 NAME = "ngram"
@@ -15,19 +21,65 @@ DRAFTS = FILLS_TREES = MEASURED_TREES = True
 ADAPTIVE = True  # its proposals come with confidences (match statistics): --adaptive applies
 SAMPLED_CHILDREN = False
 NGRAM_BRANCH = False  # it is prompt lookup already
-OPTIONS: frozenset[str] = frozenset()
+OPTIONS = frozenset({"ngram_corpus"})
 # min_ngram 3 measured best of 1..3 on MT-Bench and HumanEval (BENCHMARKS.md).
 MAX_NGRAM, MIN_NGRAM = 4, 3
+# With a corpus table, a lookup match of 2 tokens beats the table and the table beats a shorter one
+# (replayed on the target's greedy text: BENCHMARKS.md "ngram drafts from a corpus table").
+CORPUS_MIN_LOOKUP = 2
 CALIBRATION_DEPTH = 8
 MAX_OCCURRENCES = 64  # the most recent occurrences drafts and confidences count (bounds the host's work per step)
 
 
 def check(cfg) -> None:
-    pass
+    source = cfg.ngram_corpus
+    if source is None or str(source) in ("none", "sharegpt"):
+        return
+    if not str(source).endswith(".jsonl") or not Path(source).is_file():
+        raise SpeccError(f"--ngram-corpus {str(source)!r} is neither sharegpt, none nor a .jsonl file that exists.")
 
 
-def load(cfg, target_hf):
-    return None
+def corpus_source(cfg, tokenizer) -> str:
+    source = "sharegpt" if cfg.ngram_corpus is None and tokenizer is not None else str(cfg.ngram_corpus or "none")
+    if source == "sharegpt" and tokenizer is None:
+        raise SpeccError("--ngram-corpus sharegpt tokenizes ShareGPT with the model's tokenizer, and this model has "
+                         "none; give a .jsonl file of {\"ids\": [...]} lines, or none.")
+    return source
+
+
+def jsonl_sequences(path, tokenizer) -> list[list[int]]:
+    """A corpus file's token sequences: one JSON object per line, {"ids": [...]} or {"text": ...}."""
+    seqs = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+            if "ids" in item:
+                seqs.append([int(t) for t in item["ids"]])
+            elif tokenizer is not None:
+                seqs.append(tokenizer(str(item["text"]), add_special_tokens=False)["input_ids"])
+            else:
+                raise SpeccError(f"line {n} of {str(path)!r} holds text, and this model has no tokenizer; give "
+                                 f"{{\"ids\": [...]}} lines.")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise SpeccError(f"line {n} of {str(path)!r} is not a JSON object with \"ids\" (token ids) or "
+                             f"\"text\".") from None
+    return seqs
+
+
+def load(cfg, target_hf, tokenizer=None):
+    """The corpus table (its arrays), or None without a corpus."""
+    source = corpus_source(cfg, tokenizer)
+    if source == "none":
+        return None
+    vocab = target_hf.config.vocab_size
+    if source == "sharegpt":
+        return corpus_table.build_sharegpt_table(tokenizer, vocab, cfg.progress)
+    seqs = jsonl_sequences(source, tokenizer)
+    if any(not 0 <= t < vocab for s in seqs for t in s):
+        raise SpeccError(f"--ngram-corpus {source!r} holds token ids outside the model's vocabulary of {vocab}.")
+    return corpus_table.build_table(seqs, vocab)
 
 
 def calibration_depth(cfg, weights) -> int:
@@ -41,20 +93,28 @@ def calibration_options(cfg, weights) -> dict:
 def entry(cfg, weights, tree) -> dict:
     # Adaptive engines draft from any match: a weak one costs a plain step, since the runtime
     # then verifies little or nothing (its rates are measured per matched length).
-    return {"kind": NAME, "max_ngram": MAX_NGRAM, "min_ngram": 1 if cfg.adaptive else MIN_NGRAM}
+    out = {"kind": NAME, "max_ngram": MAX_NGRAM, "min_ngram": 1 if cfg.adaptive else MIN_NGRAM}
+    if weights is not None:
+        source = "sharegpt" if cfg.ngram_corpus is None else str(cfg.ngram_corpus)
+        out["corpus"] = {"source": source, "min_lookup": CORPUS_MIN_LOOKUP,
+                         "contexts": [len(weights[f"keys{n}"]) for n in range(1, corpus_table.MAX_CONTEXT + 1)],
+                         **({"conversations": corpus_table.CONVERSATIONS} if source == "sharegpt" else {})}
+    return out
 
 
 def confidence_classes(entry: dict, tree) -> int:
-    """Classes of its confidences (--adaptive): the matched suffix's length, 1 .. max_ngram."""
-    return entry["max_ngram"]
+    """Classes of its confidences (--adaptive): the matched suffix's length, 1 .. max_ngram; with a
+    corpus table, then the length of the corpus context each node was drafted under, 1 .. 3."""
+    return entry["max_ngram"] + (corpus_table.MAX_CONTEXT if "corpus" in entry else 0)
 
 
 def save(weights, folder, target_hf) -> None:
-    pass
+    if weights is not None:
+        corpus_table.save_table(weights, Path(folder))
 
 
 def load_saved(folder, entry, target_hf, dtype):
-    return None
+    return corpus_table.load_table(folder, target_hf.config.vocab_size) if "corpus" in entry else None
 
 
 def taps(entry: dict, num_layers: int) -> tuple[int, ...]:
@@ -69,8 +129,9 @@ def plans(tree, chunk, cache_len, backend, sampled, modes) -> list:
     return []
 
 
-def runtime(graphs, tree, entry: dict, chunk: int, device):
-    return NgramDrafter(tree, entry["max_ngram"], entry["min_ngram"])
+def runtime(graphs, tree, entry: dict, chunk: int, device, weights=None):
+    return NgramDrafter(tree, entry["max_ngram"], entry["min_ngram"], weights,
+                        entry.get("corpus", {}).get("min_lookup", CORPUS_MIN_LOOKUP))
 
 
 def ngram_propose(tokens: np.ndarray, k: int, max_ngram: int = 4, min_ngram: int = 1) -> list[int]:
@@ -168,30 +229,77 @@ def ngram_tree_drafts(continuations: list[list[int]], tree: Tree, root: int) -> 
     return tokens[1:]
 
 
+def corpus_tree_drafts(table, context: list[int], tree: Tree) -> tuple[list[int], list[int], list[float]]:
+    """Tokens for the tree's nodes 1..T-1 from a corpus table: a node of rank r takes the r-th most
+    frequent token after its parent's context (the text's last tokens, then the drafts down to the
+    parent). Per node also the context length it was drafted under (0: none known) and its
+    confidence (CorpusTable.ranked); a node the table cannot fill repeats its parent's token with
+    confidence 0."""
+    width = table.max_context
+    ctx = [tuple(context[-width:])] + [()] * (tree.size - 1)
+    tokens = [context[-1]] + [0] * (tree.size - 1)
+    used, conf = [0] * tree.size, [0.0] * tree.size
+    ranked = {}
+    for i in range(1, tree.size):  # parents come before children
+        p = tree.parents[i]
+        if p not in ranked:
+            ranked[p] = table.ranked(ctx[p])
+        n, nxt, c = ranked[p]
+        r = tree.ranks[i]
+        if r < len(nxt):
+            tokens[i], used[i], conf[i] = nxt[r], n, c[r]
+        else:
+            tokens[i] = tokens[p]
+        ctx[i] = (ctx[p] + (tokens[i],))[-width:]
+    return tokens[1:], used[1:], conf[1:]
+
+
 class NgramDrafter:
     needs_rows, q = False, None  # drafts from the text alone, deterministic
 
-    def __init__(self, tree: Tree, max_ngram: int = 4, min_ngram: int = 3):
+    def __init__(self, tree: Tree, max_ngram: int = 4, min_ngram: int = 3, corpus=None,
+                 min_lookup: int = CORPUS_MIN_LOOKUP):
         # A match shorter than min_ngram predicts poorly; without a match the step falls back to
         # the plain one-token graph, which is cheaper than verifying a likely-rejected tree.
         self.tree, self.max_ngram, self.min_ngram = tree, max_ngram, min_ngram
+        # With a corpus table: lookup's matches of min_lookup tokens first, then the table, then
+        # (adaptive engines) lookup's shorter matches.
+        self.corpus, self.min_lookup = corpus, min_lookup
         # Distinct continuations worth collecting: enough to fill every rank at depth 1.
         self.limit = max(1, len(tree.children[0])) * 4
 
     def start(self, prompt_ids: list[int], mode: str, temperature, top_p, table=None) -> None:
         self.buf = np.array(prompt_ids, dtype=np.int64)
 
+    def _lookup(self, min_ngram: int) -> list[list[int]]:
+        return ngram_continuations(self.buf, self.tree.max_depth, self.max_ngram, min_ngram,
+                                   limit=1 if self.tree.is_chain else self.limit)
+
     def propose(self, committed: list[int]) -> tuple[list[int], bool]:
         """Drafts for the tree's non-root nodes, and whether anything matched (else the step can be plain)."""
         if len(self.buf) < len(committed):
             self.buf = np.asarray(committed, dtype=np.int64)
-        conts = ngram_continuations(self.buf, self.tree.max_depth, self.max_ngram, self.min_ngram,
-                                    limit=1 if self.tree.is_chain else self.limit)
+        self.from_corpus = None
+        if self.corpus is None:
+            conts = self._lookup(self.min_ngram)
+        else:
+            conts = self._lookup(self.min_lookup)
+            if not conts:
+                drafts, used, conf = corpus_tree_drafts(self.corpus, committed, self.tree)
+                if used[0]:  # the first node's context is known: the table drafts
+                    self.drafts, self.from_corpus = drafts, (used, conf)
+                    return drafts, True
+                if self.min_ngram < self.min_lookup:
+                    conts = self._lookup(self.min_ngram)
         self.drafts = ngram_tree_drafts(conts, self.tree, committed[-1])
         return self.drafts, len(conts) > 0
 
-    def confidences(self) -> tuple[int, list[float]]:
-        """The last proposal's confidence class and per-node confidences (ngram_confidences), for --adaptive."""
+    def confidences(self) -> tuple:
+        """The last proposal's confidence class and per-node confidences (ngram_confidences), for
+        --adaptive; drafts from the corpus table have a class per node, after lookup's classes."""
+        if self.from_corpus is not None:
+            used, conf = self.from_corpus
+            return [self.max_ngram + max(n, 1) - 1 for n in used], conf
         return ngram_confidences(self.buf, self.tree, self.drafts, self.max_ngram, self.min_ngram)
 
     def accepted(self, committed: list[int], n_accepted: int) -> None:

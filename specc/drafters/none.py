@@ -11,7 +11,7 @@ def check(cfg) -> None:
     pass
 
 
-def load(cfg, target_hf):
+def load(cfg, target_hf, tokenizer=None):
     return None
 
 
@@ -39,5 +39,5 @@ def plans(tree, chunk, cache_len, backend, sampled, modes) -> list:
     return []
 
 
-def runtime(graphs, tree, entry, chunk, device):
+def runtime(graphs, tree, entry, chunk, device, weights=None):
     return None
