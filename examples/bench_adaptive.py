@@ -9,6 +9,7 @@ tokens/s over prompts (decode and prefill, the whole generate() call), tau, and 
 adaptive engines verified each size of tree (1 = plain). Greedy outputs are checked identical.
 
 Usage: python examples/bench_adaptive.py [--drafter ngram|dspark] [--block-size B] [--trees chain:4,chain:8]
+           [--variants fixed,adaptive,adaptive+lookup]
            [--backend inductor] [--limit 10] [--max-new-tokens 128] [--rounds 3] [--datasets humaneval,mt-bench]
            [--engines DIR] [--write BENCHMARKS.md] [--json]
 A tree may be a JSON file of paths (as for `specc compile --tree`).
@@ -33,14 +34,26 @@ def tree_tag(tree: str) -> str:
     return Path(tree).stem if tree.endswith(".json") else tree.replace(":", "")
 
 
-def engine_dir(root: Path, drafter: str, tree: str, backend: str, adaptive: bool, progress: bool,
+def engine_dir(root: Path, drafter: str, tree: str, backend: str, variant: str, progress: bool,
                block_size: int | None) -> Path:
-    out = root / f"{drafter}-{tree_tag(tree)}-{backend}{'-adaptive' if adaptive else ''}"
+    """The engine of one variant: `fixed` or `adaptive`, ngram's with `+lookup` for prompt lookup alone
+    (no corpus table: --ngram-corpus none)."""
+    adaptive, lookup_only = variant.startswith("adaptive"), variant.endswith("+lookup")
+    out = root / f"{drafter}-{tree_tag(tree)}-{backend}{'-adaptive' if adaptive else ''}{'-lookup' if lookup_only else ''}"
     if not (out / "specc.json").is_file():
         specc.compile(None, drafter=drafter, tree=tree, backend=backend, adaptive=adaptive, output_dir=out,
                       max_len=1024, modes="greedy", progress=progress,
-                      **({"block_size": block_size} if block_size else {}))
+                      **({"block_size": block_size} if block_size else {}),
+                      **({"ngram_corpus": "none"} if lookup_only else {}))
     return out
+
+
+def label(drafter: str, tree: str, variant: str) -> str:
+    words = [drafter, Path(tree).stem if tree.endswith(".json") else tree] + (
+        ["adaptive"] if variant.startswith("adaptive") else [])
+    if drafter == "ngram":
+        words.append("(prompt lookup only)" if variant.endswith("+lookup") else "+ ShareGPT table")
+    return " ".join(words)
 
 
 def main() -> int:
@@ -49,6 +62,8 @@ def main() -> int:
     ap.add_argument("--drafter", default="ngram", choices=("ngram", "dspark"))
     ap.add_argument("--block-size", type=int, default=None, help="dspark: the block length to run")
     ap.add_argument("--trees", default="chain:4,chain:8")
+    ap.add_argument("--variants", default="fixed,adaptive",
+                    help="per tree: fixed, adaptive; ngram: +lookup for prompt lookup alone (no corpus table)")
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--datasets", default="humaneval,mt-bench")
@@ -59,11 +74,14 @@ def main() -> int:
     cmd = benchfile.command_line()
     trees = a.trees.split(",")
     engines = {}
+    variants = a.variants.split(",")
+    if any(v not in ("fixed", "adaptive", "fixed+lookup", "adaptive+lookup") for v in variants) or (
+            a.drafter != "ngram" and any(v.endswith("+lookup") for v in variants)):
+        raise SystemExit("--variants takes fixed and adaptive, for ngram also fixed+lookup and adaptive+lookup.")
     for tree in trees:
-        for adaptive in (False, True):
-            name = f"{a.drafter} {tree_tag(tree)}{' adaptive' if adaptive else ''}"
-            engines[name] = specc.load(engine_dir(Path(a.engines), a.drafter, tree, a.backend, adaptive, not a.json,
-                                                  a.block_size))
+        for variant in variants:
+            engines[label(a.drafter, tree, variant)] = specc.load(
+                engine_dir(Path(a.engines), a.drafter, tree, a.backend, variant, not a.json, a.block_size))
     plain_engine = next(iter(engines.values()))
     methods = ["plain"] + list(engines)
     model = plain_engine.manifest["target"]["name"]

@@ -161,6 +161,11 @@ def cmd_inspect(a) -> int:
     if branch:
         print(f"            + prompt lookup's branch: {branch['depth']} nodes under the root at rank {branch['rank']}, "
               f"filled per step from matches of {branch['min_ngram']}-{branch['max_ngram']} tokens")
+    corpus = m["drafter"].get("corpus")
+    if corpus:
+        print(f"            + corpus table ({corpus['source']}): contexts of 1-3 tokens "
+              f"{' / '.join(map(str, corpus['contexts']))}, drafting where lookup matches fewer than "
+              f"{corpus['min_lookup']} tokens")
     print(f"backend     {m['backend']} on {m.get('device', 'cpu')}, dtype {m['dtype']}, max_len {m['max_len']}, "
           f"prefill chunk {m['prefill_chunk']}")
     print(f"modes       {', '.join(m['modes'])} (one graph per mode for each graph that samples)")

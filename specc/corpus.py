@@ -56,6 +56,11 @@ def build_table(seqs: list[list[int]], vocab: int, max_context: int = MAX_CONTEX
     out = {}
     for n in range(1, max_context + 1):
         keys, nexts = context_keys(arrays, n, vocab)
+        if not len(keys):  # no sequence is longer than n tokens
+            out[f"keys{n}"] = np.zeros(0, np.int64)
+            out[f"next{n}"] = np.zeros((0, width), np.int32)
+            out[f"count{n}"] = np.zeros((0, width + 1), np.int32)
+            continue
         order = np.lexsort((nexts, keys))
         keys, nexts = keys[order], nexts[order]
         # One row per distinct (context, next token) pair, with its count.

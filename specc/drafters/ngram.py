@@ -55,6 +55,8 @@ def jsonl_sequences(path, tokenizer) -> list[list[int]]:
             continue
         try:
             item = json.loads(line)
+            if not isinstance(item, dict):
+                raise TypeError
             if "ids" in item:
                 seqs.append([int(t) for t in item["ids"]])
             elif tokenizer is not None:
