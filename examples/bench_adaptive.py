@@ -1,12 +1,13 @@
 """Adaptive verification against the fixed tree and plain decoding, side by side in one run.
 
-For each tree in --trees, an engine of --drafter (ngram, or dspark: its family is fused steps chosen
-from its confidence head) with that tree (the fixed path) and one compiled with --adaptive (the same
-tree as a family of step graphs) on the same backend; on each prompt set,
-each prompt runs plain (through the first engine), fixed and adaptive back to back, --rounds
-times, the order rotated every round. Figures: per method the median over rounds of the median
-tokens/s over prompts (decode and prefill, the whole generate() call), tau, and how often the
-adaptive engines verified each size of tree (1 = plain). Greedy outputs are checked identical.
+For each tree in --trees, one engine per --variant of --drafter (ngram, or dspark: its family is
+fused steps chosen from its confidence head): `fixed` (the tree verified whole every step),
+`adaptive` (compiled with --adaptive: the tree as a family of step graphs), and for ngram the same
+with `+lookup` (prompt lookup alone, no corpus table), all on the same backend. On each prompt set,
+each prompt runs plain (through the first engine) and every engine back to back, --rounds times,
+the order rotated every round. Figures: per method the median over rounds of the median tokens/s
+over prompts (decode and prefill, the whole generate() call), tau, and how often the adaptive
+engines verified each size of tree (1 = plain). Greedy outputs are checked identical.
 
 Usage: python examples/bench_adaptive.py [--drafter ngram|dspark] [--block-size B] [--trees chain:4,chain:8]
            [--variants fixed,adaptive,adaptive+lookup]

@@ -24,9 +24,10 @@ from specc.bench import engine_label
 from specc.data import load_prompts
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
-# Labels of configurations this script can rebuild: drafter, optional DFlash block, tree, adaptive.
+# Labels of configurations this script can rebuild: drafter, optional DFlash block, tree, adaptive,
+# ngram's corpus table (rows without one were measured before ngram engines had tables: lookup only).
 RUNNABLE = re.compile(r"^(ngram|mtp|dflash)(?: B=(\d+))? ((?:chain|sequoia):\d+|topk:\d+,\d+)( adaptive)?"
-                      r"(?: \(\d+ nodes\))?(?: \(inductor\))?$")
+                      r"( \+ ShareGPT table| \(prompt lookup only\))?(?: \(\d+ nodes\))?(?: \(inductor\))?$")
 WHY = {"ngram": "ngram drafts by copying text the context already holds, so it pays on code and repetitive "
                 "text, much less on open chat",
        "mtp": "the shipped MTP heads were trained on ShareGPT chat, so they suit chat a little better than code",
@@ -73,13 +74,14 @@ def main() -> int:
 
     rows = measured(a.benchmarks)
     chosen = a.drafter is not None
-    adaptive = False
+    adaptive, corpus = False, None
     if chosen:
         tree, block = a.tree or "chain:4", a.block_size
     elif rows:
         best = max(rows, key=lambda f: f["vs_plain"])
-        a.drafter, block, tree, adaptive = RUNNABLE.match(best["config"]).groups()
+        a.drafter, block, tree, adaptive, table = RUNNABLE.match(best["config"]).groups()
         adaptive = bool(adaptive)
+        corpus = "sharegpt" if table and "ShareGPT" in table else "none" if a.drafter == "ngram" else None
         block = int(block) if block else None
         fig, line = describe(best["config"], "inductor", rows, False, a.benchmarks.name)
         print(line, flush=True)
@@ -89,7 +91,8 @@ def main() -> int:
 
     t0 = time.perf_counter()
     path = specc.compile(None, drafter=a.drafter, tree=tree, backend="inductor", output_dir=a.output, max_len=1024,
-                         block_size=block, modes="greedy", adaptive=adaptive)  # the demo decodes greedily
+                         block_size=block, modes="greedy", adaptive=adaptive,  # the demo decodes greedily
+                         **({"ngram_corpus": corpus} if corpus else {}))
     print(f"compiled in {time.perf_counter() - t0:.0f} s -> {path}", file=sys.stderr)
     engine = specc.load(path)
     if chosen:  # the label (a DFlash block, say) is known once the engine is built

@@ -133,10 +133,12 @@ def drafter_label(report: dict) -> str:
     d = report["drafter"]
     block = f" B={d['block_size']}" if "block_size" in d else ""
     branch = f" + ngram branch {d['ngram_branch']['depth']}" if d.get("ngram_branch") else ""
+    corpus = (d.get("corpus") or {}).get("source")
+    table = "" if corpus is None else " + ShareGPT table" if corpus == "sharegpt" else f" + table of {Path(corpus).name}"
     nodes = report.get("tree_nodes")
     measured = "" if nodes is None or (report["tree"].startswith("chain:") and not branch) else f" ({nodes} nodes)"
     tree = Path(report["tree"]).name if report["tree"].endswith(".json") else report["tree"]  # a tree file: its name
-    return f"{d['kind']}{block} {tree}{branch}{measured}"
+    return f"{d['kind']}{block} {tree}{branch}{measured}{table}"
 
 
 def engine_label(manifest: dict) -> str:

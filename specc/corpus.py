@@ -15,6 +15,8 @@ Only contexts whose most frequent next token followed at least MIN_COUNT times a
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from pathlib import Path
 
@@ -26,7 +28,7 @@ MIN_COUNT = 3  # rarer contexts predict poorly and triple the table (measured: t
 # ShareGPT's assistant turns from the conversations `specc train` reads (never past
 # data.CALIBRATION_START, never MT-Bench or HumanEval). Replayed on SmolLM2's greedy text
 # (BENCHMARKS.md "ngram drafts from a corpus table"), chain:4 on MT-Bench: tau 1.33 with lookup
-# alone, 1.50 / 1.56 / 1.58 with 1000 / 3000 / 8000 conversations (8000: 10M tokens, 37 MB of table).
+# alone, 1.51 / 1.57 / 1.59 with 1000 / 3000 / 8000 conversations (8000: 10M tokens, 37 MB of table).
 CONVERSATIONS = 8000
 FILE = "corpus.safetensors"
 
@@ -143,10 +145,17 @@ def sharegpt_sequences(tokenizer, conversations: int = CONVERSATIONS) -> list[li
     return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
 
+_BUILT: dict[tuple, dict[str, np.ndarray]] = {}  # per tokenizer, for this process: --tree sequoia/auto compile
+# several engines of one model, each with the table
+
+
 def build_sharegpt_table(tokenizer, vocab: int, progress: bool = False) -> dict[str, np.ndarray]:
+    key = (vocab, hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest())
+    if key in _BUILT:
+        return _BUILT[key]
     t0 = time.perf_counter()
     seqs = sharegpt_sequences(tokenizer)
-    arrays = build_table(seqs, vocab)
+    arrays = _BUILT[key] = build_table(seqs, vocab)
     if progress:
         rows = ", ".join(f"{len(arrays[f'keys{n}'])} of {n}" for n in range(1, MAX_CONTEXT + 1))
         print(f"ngram corpus: {sum(map(len, seqs))} tokens of ShareGPT's assistant turns -> contexts {rows} "
