@@ -299,7 +299,7 @@ def add_compile(sub) -> None:
                    help="ngram: also draft from a table of what followed each 1-3 token context in a corpus, where "
                         "prompt lookup finds no match of 2 tokens: sharegpt (ShareGPT's assistant turns, tokenized at "
                         "compile time), none, or a .jsonl file of {\"text\": ...} or {\"ids\": [...]} lines; default: "
-                        "sharegpt when the model has a tokenizer")
+                        "sharegpt for a chat model (its tokenizer has a chat template), else none")
     c.add_argument("--ngram-branch", type=int, default=0, metavar="K",
                    help="mtp, dflash, dspark: add a chain of K nodes under the root that the runtime fills with prompt "
                         "lookup's continuation of the text (a hybrid tree: lookup's long matches on code and "

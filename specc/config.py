@@ -38,7 +38,7 @@ class CompileConfig:
     block_size: int | None = None
     # ngram: a table of what followed each short context in a corpus (specc/corpus.py): "sharegpt",
     # "none", or a .jsonl file of {"text": ...} or {"ids": [...]} lines; None: sharegpt when the
-    # target has a tokenizer, else none.
+    # target's tokenizer has a chat template, else none.
     ngram_corpus: str | Path | None = None
     children: str = "topk"
     # The sampling modes whose graphs the engine carries (greedy, sample, top_p): a string "a,b" or a tuple.

@@ -40,7 +40,10 @@ def check(cfg) -> None:
 
 
 def corpus_source(cfg, tokenizer) -> str:
-    source = "sharegpt" if cfg.ngram_corpus is None and tokenizer is not None else str(cfg.ngram_corpus or "none")
+    """--ngram-corpus, or by default sharegpt for a chat model (ShareGPT's assistant turns are chat
+    text; a model with a chat template was tuned to write it), else none."""
+    chat = tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+    source = "sharegpt" if cfg.ngram_corpus is None and chat else str(cfg.ngram_corpus or "none")
     if source == "sharegpt" and tokenizer is None:
         raise SpeccError("--ngram-corpus sharegpt tokenizes ShareGPT with the model's tokenizer, and this model has "
                          "none; give a .jsonl file of {\"ids\": [...]} lines, or none.")
