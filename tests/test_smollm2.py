@@ -89,17 +89,17 @@ def check_engine(path, reference, speculative: bool, prompts=range(len(PROMPTS))
 
 
 # Inductor on a branching tree (7 nodes: the C++ of a graph grows with its tree's rows, and so does
-# its compile time) on three prompts (plain decoding through its plain graph on one). The
-# draft model runs eager on one: its graphs go through Inductor on a tiny model (test_engine.py). Every
-# 30-layer Inductor graph and every prompt costs minutes of this suite (the benches run more prompts
-# and compare their tokens with plain decoding).
-@pytest.mark.parametrize("backend,drafter,tree,prompts,plain", [("inductor", "ngram", "topk:2,2", (0, 2, 4), (2,)),
-                                                                ("eager", "draft-model", "chain:3", (1,), (1,))])
-def test_greedy_identical_to_hf(reference, tmp_path, backend, drafter, tree, prompts, plain):
-    kw = {"drafter_layers": 6} if drafter == "draft-model" else {}
-    path = specc.compile(None, drafter=drafter, tree=tree, backend=backend, output_dir=tmp_path / "engine",
-                         max_len=512, progress=False, modes="greedy", **kw)
-    check_engine(path, reference(), True, prompts, plain)
+# its compile time) on three prompts (plain decoding through its plain graph on one); its ngram
+# drafter carries the ShareGPT corpus table (the default for a chat model), built from the real
+# tokenizer. Every 30-layer Inductor graph and every prompt costs minutes of this suite (the benches
+# run more prompts and compare their tokens with plain decoding). The draft-model drafter runs on
+# tiny models only (test_engine.py, through Inductor): its SmolLM2 case (eager, 2.4 minutes) left
+# the suite on 2026-12-03 to keep it under 20 minutes.
+def test_greedy_identical_to_hf(reference, tmp_path):
+    path = specc.compile(None, drafter="ngram", tree="topk:2,2", backend="inductor", output_dir=tmp_path / "engine",
+                         max_len=512, progress=False, modes="greedy")
+    assert json.loads((path / "specc.json").read_text())["drafter"]["corpus"]["source"] == "sharegpt"
+    check_engine(path, reference(), True, (0, 2, 4), (2,))
 
 
 @pytest.mark.parametrize("drafter,prompt", [("dflash", 2), ("mtp", 0), ("dspark", 1)])
