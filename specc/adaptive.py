@@ -63,6 +63,11 @@ def family_sizes(tree: Tree) -> list[int]:
     return list(range(1, tree.size + 1))
 
 
+def node_classes(cls, n: int) -> list[int]:
+    """A confidence's class per node: one class for the whole proposal, or already one per node."""
+    return [cls] * n if isinstance(cls, int) else list(cls)
+
+
 def bucket(confidence: float) -> int:
     return bisect.bisect_right(EDGES, confidence)
 
@@ -91,7 +96,7 @@ def choose(tree: Tree, latency_ms: list[float], table: list[list[float]], confid
     given the drafter's confidence (class, a number per non-root node; the class is one for the
     whole proposal, or a list with one per node); the smaller one on a tie."""
     cls, values = confidence
-    classes = [cls] * len(values) if isinstance(cls, int) else cls
+    classes = node_classes(cls, len(values))
     rates = [1.0] + [table[c][bucket(v)] for c, v in zip(classes, values)]
     best, best_k = -1.0, 1
     for k in range(1, len(latency_ms) + 1):
@@ -151,7 +156,7 @@ def calibrate_confidence(engine, drafter, prompts: list[list[int]], new_tokens: 
                 continue
             right = [True] + [False] * (tree.size - 1)
             cls, values = drafter.confidences()
-            classes = [cls] * len(values) if isinstance(cls, int) else cls
+            classes = node_classes(cls, len(values))
             for i, (k, c) in enumerate(zip(classes, values), start=1):
                 pos = p - 1 + tree.depths[i]
                 if not right[tree.parents[i]] or pos >= len(text):
@@ -175,9 +180,12 @@ def calibrate_on_steps(engine, prompts: list[list[int]], new_tokens: int, classe
     try:
         for ids in prompts:
             stats = engine.generate(ids, max_new_tokens=new_tokens, stop_at_eos=False).stats
-            for ranks, (cls, values) in zip(stats.rank_paths, stats.confidences):
+            for ranks, confidence in zip(stats.rank_paths, stats.confidences):
+                if confidence is None:
+                    continue
+                cls, values = confidence
                 on_path = {node_of[ranks[:d]] for d in range(len(ranks) + 1)}
-                classes = [cls] * len(values) if isinstance(cls, int) else cls
+                classes = node_classes(cls, len(values))
                 for i, (k, c) in enumerate(zip(classes, values), start=1):
                     if tree.parents[i] in on_path:
                         seen[k][bucket(c)] += 1

@@ -5,7 +5,7 @@ Prompt lookup drafts only what the text already repeated: on chat it finds a lon
 about half of the steps. The corpus table drafts where it finds none: for the longest context (3
 tokens down to 1) of the committed text that occurs in the corpus, the tokens that followed it
 most often, ranked by count. A chain extends its own drafts one token at a time; a tree ranks
-each node's children under the node's own context. The drafts are deterministic, so verification
+each node's children under the node's own context (drafters/ngram.py: corpus_tree_drafts). The drafts are deterministic, so verification
 is the usual one-hot rule: any table is lossless, a better one only accepts more.
 
 The table lives in the engine as `draft/corpus.safetensors`: per context length n, `keys{n}` [M]
@@ -115,17 +115,6 @@ class CorpusTable:
                 total = float(cnt[-1]) + 1.0
                 return n, nxt[:width].tolist(), [float(c) / total for c in cnt[:width]]
         return 0, [], []
-
-    def chain(self, context, k: int) -> list[int]:
-        """Up to k drafts, each the most frequent next token after the text and the drafts before it."""
-        ctx, out = list(context[-self.max_context:]), []
-        for _ in range(k):
-            n, nxt, _ = self.ranked(ctx)
-            if not n:
-                break
-            out.append(nxt[0])
-            ctx = ctx[1:] + [nxt[0]] if len(ctx) == self.max_context else ctx + [nxt[0]]
-        return out
 
 
 def sharegpt_sequences(tokenizer, conversations: int = CONVERSATIONS) -> list[list[int]]:

@@ -51,8 +51,8 @@ class Stats:
     # those whose accepted path went through a node it wrote.
     lookup_steps: int = 0
     lookup_accepted: int = 0
-    # Per speculative step (beside rank_paths), the confidences of the nodes it verified, (class or a
-    # class per node, values), where the engine read them: adaptive engines, and their calibration.
+    # With Engine.record_confidences (adaptive calibration), per speculative step beside rank_paths,
+    # the confidences of the nodes it verified, (class or a class per node, values), or None.
     confidences: list[tuple] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -331,9 +331,10 @@ class Engine:
         (cut at the budget and at EOS), and advance the committed length."""
         if size > 1:
             stats.rank_paths.append(tuple(self.tree.ranks[i] for i in path[1: n + 1]))
-            if run.confidence is not None and self.record_confidences:
-                cls, values = run.confidence
-                stats.confidences.append((cls if isinstance(cls, int) else cls[: size - 1], values[: size - 1]))
+            if self.record_confidences:  # one entry per rank path (None: the step had no confidences)
+                cls, values = run.confidence or (0, None)
+                stats.confidences.append(None if values is None else
+                                         (cls if isinstance(cls, int) else cls[: size - 1], values[: size - 1]))
         run.confidence = None
         if run.lookup_nodes:
             stats.lookup_steps += 1

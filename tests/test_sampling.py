@@ -212,3 +212,34 @@ def test_adaptive_fused_sampling_matches_target(models, tmp_path):
     assert sum(n > 300 for n in sizes.values()) >= 2, sizes  # several members ran, often
     p = g_test(samples, exact_distribution(target, 1.0))
     assert p > 1e-3, f"adaptive fused samples differ from the target distribution (p={p:.2e})"
+
+
+def test_corpus_table_sampling_matches_target(models, tmp_path):
+    """The same test on an ngram engine with a corpus table (specc/corpus.py): on a prompt without
+    repeats prompt lookup rarely matches and the table drafts most steps; its drafts are
+    deterministic, so the one-hot rule must keep the target's distribution."""
+    import json
+
+    root, target = models
+    g = torch.Generator().manual_seed(3)
+    corpus = [{"ids": torch.randint(0, V, (40,), generator=g).tolist()} for _ in range(3)] * 3
+    (tmp_path / "corpus.jsonl").write_text("".join(json.dumps(c) + "\n" for c in corpus))
+    path = specc.compile(root / "target", drafter="ngram", tree="chain:3", backend="eager", output_dir=tmp_path / "e",
+                         max_len=32, prefill_chunk=4, progress=False, modes="sample",
+                         ngram_corpus=str(tmp_path / "corpus.jsonl"))
+    engine = specc.load(path)
+    propose, tabled = engine.drafter.propose, [0]
+
+    def counting(committed):  # the steps the table drafted
+        out = propose(committed)
+        tabled[0] += engine.drafter.from_corpus is not None
+        return out
+    engine.drafter.propose = counting
+    samples, accepted = [], 0
+    for seed in range(RUNS):
+        r = engine.generate(PROMPT, max_new_tokens=NEW, temperature=1.0, seed=seed, stop_at_eos=False)
+        samples.append(tuple(r.token_ids))
+        accepted += sum(n * c for n, c in enumerate(r.stats.accepted_hist))
+    assert tabled[0] > 1000 and accepted > 300, (tabled[0], accepted)  # the table drafted, and was accepted
+    p = g_test(samples, exact_distribution(target, 1.0))
+    assert p > 1e-3, f"samples with the corpus table's drafts differ from the target distribution (p={p:.2e})"

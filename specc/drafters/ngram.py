@@ -276,8 +276,8 @@ class NgramDrafter:
     def start(self, prompt_ids: list[int], mode: str, temperature, top_p, table=None) -> None:
         self.buf = np.array(prompt_ids, dtype=np.int64)
 
-    def _lookup(self, min_ngram: int) -> list[list[int]]:
-        return ngram_continuations(self.buf, self.tree.max_depth, self.max_ngram, min_ngram,
+    def _lookup(self, min_ngram: int, max_ngram: int | None = None) -> list[list[int]]:
+        return ngram_continuations(self.buf, self.tree.max_depth, max_ngram or self.max_ngram, min_ngram,
                                    limit=1 if self.tree.is_chain else self.limit)
 
     def propose(self, committed: list[int]) -> tuple[list[int], bool]:
@@ -294,8 +294,8 @@ class NgramDrafter:
                 if used[0]:  # the first node's context is known: the table drafts
                     self.drafts, self.from_corpus = drafts, (used, conf)
                     return drafts, True
-                if self.min_ngram < self.min_lookup:
-                    conts = self._lookup(self.min_ngram)
+                if self.min_ngram < self.min_lookup:  # the matches too short for the first lookup
+                    conts = self._lookup(self.min_ngram, self.min_lookup - 1)
         self.drafts = ngram_tree_drafts(conts, self.tree, committed[-1])
         return self.drafts, len(conts) > 0
 
