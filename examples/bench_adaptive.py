@@ -7,7 +7,8 @@ with `+lookup` (prompt lookup alone, no corpus table), all on the same backend. 
 each prompt runs plain (through the first engine) and every engine back to back, --rounds times,
 the order rotated every round. Figures: per method the median over rounds of the median tokens/s
 over prompts (decode and prefill, the whole generate() call), tau, and how often the adaptive
-engines verified each size of tree (1 = plain). Greedy outputs are checked identical.
+engines ran each graph of their family (plain: plain decoding, or a resting drafter's plain step). Greedy
+outputs are checked identical.
 
 Usage: python examples/bench_adaptive.py [--drafter ngram|dspark] [--block-size B] [--trees chain:4,chain:8]
            [--variants fixed,adaptive,adaptive+lookup]
@@ -57,6 +58,12 @@ def label(drafter: str, tree: str, variant: str) -> str:
     return " ".join(words)
 
 
+def graph_order(name: str) -> tuple:
+    """plain, step2 .. step, fused1 .. fused: by kind, then by node count (the whole tree last)."""
+    digits = name.lstrip("abcdefghijklmnopqrstuvwxyz_")
+    return (name != "plain", name.startswith("fused"), int(digits) if digits else 10 ** 6)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     benchfile.add_arguments(ap, limit=10, max_new_tokens=128)
@@ -100,7 +107,7 @@ def main() -> int:
             run(m, ids[0], 8)
         tps = {m: [[] for _ in range(a.rounds)] for m in methods}
         tau = {m: [0, 0] for m in methods}
-        sizes = {m: {} for m in methods}
+        chosen = {m: {} for m in methods}
         identical = {m: 0 for m in methods}
         for rnd in range(a.rounds):
             order = methods[rnd % len(methods):] + methods[: rnd % len(methods)]
@@ -113,16 +120,16 @@ def main() -> int:
                     if rnd == 0:
                         tau[m][0] += r.stats.new_tokens - 1
                         tau[m][1] += r.stats.steps
-                        for k, v in r.stats.verified_sizes.items():
-                            sizes[m][k] = sizes[m].get(k, 0) + v
+                        for k, v in r.stats.graphs.items():
+                            chosen[m][k] = chosen[m].get(k, 0) + v
                 for m in methods:
                     identical[m] += rnd == 0 and outs[m] == outs["plain"]
         med = {m: statistics.median(statistics.median(r) for r in tps[m]) for m in methods}
-        lines += [f"#### {ds} ({len(ids)} prompts)\n", "| method | tau | tokens/s (median) | vs plain | steps by verified "
-                  "size (1 = plain) | greedy identical |", "|---|---|---|---|---|---|"]
+        lines += [f"#### {ds} ({len(ids)} prompts)\n", "| method | tau | tokens/s (median) | vs plain | steps by graph "
+                  "| greedy identical |", "|---|---|---|---|---|---|"]
         for m in methods:
             t = tau[m][0] / tau[m][1] if tau[m][1] else None
-            shown = ", ".join(f"{k}: {v}" for k, v in sorted(sizes[m].items()))
+            shown = ", ".join(f"{k}: {v}" for k, v in sorted(chosen[m].items(), key=lambda kv: graph_order(kv[0])))
             lines.append(f"| {m} | {t:.2f} | {med[m]:.2f} | {med[m] / med['plain']:.2f}x | {shown} | "
                          f"{identical[m]}/{len(ids)} |")
             figures.append(benchfile.figure(benchfile.PLAIN if m == "plain" else f"{m} ({a.backend})", ds, model=model,
@@ -133,13 +140,15 @@ def main() -> int:
         for m, eng in engines.items():
             fam = eng.adaptive
             if fam:
-                lines.append(f"{m}: family latencies (ms, plain first) {fam['latency_ms']}; rates by confidence bucket "
+                rest = f"plain with the drafter resting {fam['rest_ms']}, " if "rest_ms" in fam else ""
+                lines.append(f"{m}: family latencies (ms, {rest}{', '.join(fam['graphs'])}) {fam['latency_ms']}; "
+                             f"rates by confidence bucket "
                              f"{fam['rates']} (seen {fam['seen']}).")
         lines.append("")
     setup = (f"SmolLM2-135M-Instruct, fp32, {a.backend} backend, greedy, {a.max_new_tokens} new tokens per prompt, first "
              f"{a.limit} prompts of each set, chat template on, EOS ignored; warm-up excluded; each prompt runs every "
              f"method back to back, {a.rounds} rounds, order rotated; figure = median over rounds of the median over "
-             f"prompts of tokens/s (whole generate() call); tau and verified sizes from the first round.")
+             f"prompts of tokens/s (whole generate() call); tau and steps by graph from the first round.")
     return benchfile.finish(a, benchfile.new_run(TITLES[a.drafter], figures, command=cmd), setup,
                             "\n".join(lines))
 

@@ -15,7 +15,12 @@ per second:
 
 With a fused step (a drafter whose graphs draft the next tree inside the step, DSpark), every
 member verifies its prefix and drafts the whole next tree, so the next choice has every node's
-confidence; member k=1 verifies the root alone (the drafter still reads its row).
+confidence; member k=1 verifies the root alone (the drafter still reads its row). Every fused
+member pays for the drafter, so the family also has k=0: the target's plain graph with the
+drafter resting (its rows wait on the host, `rest_ms` in the manifest). A resting engine has no
+confidences to choose from, so it re-probes (one call of the drafter's own graph, which flushes
+the waiting rows) after 1, 2, 4 ... REST_MAX plain steps, the run doubling while the probes keep
+choosing to rest and starting again at 1 once one speculates.
 
 Lossless by construction: the choice depends only on text already committed, never on the step's
 own uniforms (signature.uniform_columns: a call's draws are the row at its base position, used by
@@ -36,6 +41,7 @@ PRIOR = (1.0, 2.0)  # Laplace: (accepted + 1) / (seen + 2) per bucket
 CALIBRATION_PROMPTS = 8
 CALIBRATION_TOKENS = 96
 TIMING_ROUNDS, TIMING_CALLS = 5, 4
+REST_MAX = 32  # the longest run of plain steps between two probes of a resting drafter
 
 
 def step_name(k: int, size: int) -> str:
@@ -91,19 +97,26 @@ def expected_tokens(tree: Tree, rates: list[float], k: int) -> float:
     return 1.0 + math.fsum(reach[1:])
 
 
-def choose(tree: Tree, latency_ms: list[float], table: list[list[float]], confidence) -> int:
+def choose(tree: Tree, latency_ms: list[float], table: list[list[float]], confidence,
+           rest_ms: float | None = None) -> int:
     """The family member (node count k, 1 = plain) with the most expected tokens per millisecond,
     given the drafter's confidence (class, a number per non-root node; the class is one for the
-    whole proposal, or a list with one per node); the smaller one on a tie."""
+    whole proposal, or a list with one per node); the smaller one on a tie. With `rest_ms` (a fused
+    family), 0: the plain graph with the drafter resting, one token per rest_ms."""
     cls, values = confidence
     classes = node_classes(cls, len(values))
     rates = [1.0] + [table[c][bucket(v)] for c, v in zip(classes, values)]
-    best, best_k = -1.0, 1
+    best, best_k = (1.0 / rest_ms, 0) if rest_ms else (-1.0, 1)
     for k in range(1, len(latency_ms) + 1):
         score = expected_tokens(tree, rates, k) / latency_ms[k - 1]
         if score > best * (1 + 1e-9):
             best, best_k = score, k
     return best_k
+
+
+def next_rest_run(last: int) -> int:
+    """Plain steps before the next probe, given the last run's length (0: the engine speculated)."""
+    return min(2 * last, REST_MAX) if last else 1
 
 
 # -- compile time --------------------------------------------------------------------------------
@@ -176,7 +189,9 @@ def calibrate_on_steps(engine, prompts: list[list[int]], new_tokens: int, classe
     seen, accepted = empty_counts(classes), empty_counts(classes)
     tree = engine.tree
     node_of = {path: i for i, path in enumerate(tree.paths)}
-    engine.record_confidences = True
+    # The whole tree every step, also where the engine already holds a measured family (a re-measure).
+    engine.record_confidences, family = True, engine.adaptive
+    engine.adaptive = None
     try:
         for ids in prompts:
             stats = engine.generate(ids, max_new_tokens=new_tokens, stop_at_eos=False).stats
@@ -191,7 +206,7 @@ def calibrate_on_steps(engine, prompts: list[list[int]], new_tokens: int, classe
                         seen[k][bucket(c)] += 1
                         accepted[k][bucket(c)] += i in on_path
     finally:
-        engine.record_confidences = False
+        engine.record_confidences, engine.adaptive = False, family
     return seen, accepted
 
 
@@ -205,7 +220,9 @@ def measure(engine, drafter, classes: int, texts: list[list[int]], progress: boo
     mode = "greedy" if "greedy" in engine.modes else engine.modes[0]
     fused = any(name.startswith("fused") for name in engine.graphs)
     names = member_names(tree, fused)
-    latency = time_family(engine, mode, names)
+    # A fused family also times the plain graph the engine runs while its drafter rests.
+    latency = time_family(engine, mode, ["plain"] + names if fused else names)
+    rest = {"rest_ms": latency.pop(0)} if fused else {}
     new_tokens = max(2, min(CALIBRATION_TOKENS, engine.max_len // 2))
     prompts = [ids[-(engine.max_len - new_tokens):] for ids in texts]
     if "greedy" not in engine.modes:  # no greedy graphs to produce the target's text with: the prior alone
@@ -215,10 +232,11 @@ def measure(engine, drafter, classes: int, texts: list[list[int]], progress: boo
     else:
         seen, accepted = calibrate_confidence(engine, drafter, prompts, new_tokens, classes)
     if progress:
-        print(f"adaptive: {len(latency)} step graphs timed ({', '.join(f'{t:.1f}' for t in latency)} ms), "
+        timed = ([rest["rest_ms"]] if rest else []) + latency
+        print(f"adaptive: {len(timed)} step graphs timed ({', '.join(f'{t:.1f}' for t in timed)} ms), "
               f"{sum(map(sum, seen))} drafted nodes calibrated on {len(prompts)} prompts")
     return {"sizes": family_sizes(tree), "graphs": names, "fused": fused,
-            "latency_ms": latency, "timed_mode": mode, "edges": list(EDGES), "seen": seen, "accepted": accepted,
+            "latency_ms": latency, **rest, "timed_mode": mode, "edges": list(EDGES), "seen": seen, "accepted": accepted,
             "rates": [[round(r, 4) for r in row] for row in rates_from_counts(seen, accepted)],
             "calibration": {"prompts": len(prompts), "new_tokens": new_tokens}}
 
@@ -226,6 +244,9 @@ def measure(engine, drafter, classes: int, texts: list[list[int]], progress: boo
 def report_lines(entry: dict) -> list[str]:
     """`specc inspect`'s view of an adaptive engine: the family with its latencies, and the rates."""
     lines = ["k  graph        ms/call"]
+    if "rest_ms" in entry:
+        lines.append(f"0  plain        {entry['rest_ms']:.2f}  (the drafter rests; re-probed after 1, 2, 4 ... "
+                     f"{REST_MAX} plain steps)")
     for k, name, ms in zip(entry["sizes"], entry["graphs"], entry["latency_ms"]):
         lines.append(f"{k:<2} {name:<12} {ms:.2f}")
     lo = [0.0] + entry["edges"]

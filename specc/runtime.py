@@ -8,7 +8,8 @@ root, and with a fused step the next tree's drafts), so those never leave the de
 report (accepted count, path, tokens) that the host reads once per step: the only device-to-host
 read of a step on the plain and fused paths and with host drafters that need no reads of their own
 (ngram). The draft-model drafter reads each draft token it makes; an adaptive fused engine also
-reads the next drafts' confidences, to choose the next call's graph.
+reads the next drafts' confidences, to choose the next call's graph, and may let its drafter rest
+for a run of plain steps (specc/adaptive.py).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from .adaptive import choose, fused_name, step_name
+from .adaptive import choose, fused_name, next_rest_run, step_name
 from .errors import SpeccError
 from .hybrid import NgramBranch
 from .prefill import prefill, tap_rows
@@ -47,6 +48,9 @@ class Stats:
     # Steps by the size of the tree they verified (1: plain): an adaptive engine's choices, and
     # the plain steps a host drafter falls back to when it has nothing to propose.
     verified_sizes: dict[int, int] = field(default_factory=dict)
+    # Steps by the graph that ran (plain, step, step3, fused2, ...): how often an adaptive engine
+    # chose each member; `plain` counts the steps its drafter rested too.
+    graphs: dict[str, int] = field(default_factory=dict)
     # Hybrid trees (--ngram-branch): steps whose tree carried prompt lookup's continuation, and
     # those whose accepted path went through a node it wrote.
     lookup_steps: int = 0
@@ -61,6 +65,7 @@ class Stats:
                 "prefill_s": round(self.prefill_s, 4), "prompt_tokens": self.prompt_tokens, "stop": self.stop,
                 "accepted_hist": self.accepted_hist,
                 "verified_sizes": {str(k): v for k, v in sorted(self.verified_sizes.items())},
+                "graphs": dict(sorted(self.graphs.items())),
                 "lookup_steps": self.lookup_steps, "lookup_accepted": self.lookup_accepted}
 
 
@@ -86,6 +91,11 @@ class Run:
     next_confidence: torch.Tensor | None = None  # a DSpark drafter's confidence in each of next_tokens' drafts
     lookup_nodes: list[int] = field(default_factory=list)  # the nodes prompt lookup wrote in this call's tree
     confidence: tuple | None = None  # this call's drafts' confidences, where read (Stats.confidences)
+    graph: str = "plain"  # the graph this call ran (Stats.graphs)
+    # An adaptive fused engine's resting drafter (specc/adaptive.py): plain steps left before the
+    # next probe, and the length of the current run of them (0: the engine speculates).
+    rest_left: int = 0
+    rest_run: int = 0
 
 
 @dataclass
@@ -117,6 +127,7 @@ class Engine:
         # Adaptive verification (specc/adaptive.py): the family's latencies and the calibrated rates.
         entry = manifest.get("adaptive") or {}
         self.adaptive = entry if "latency_ms" in entry else None
+        self._row0 = torch.zeros(1, dtype=torch.int64, device=self.device)  # a one-token call's tap row
         # Read each step's confidences into Stats.confidences (adaptive.calibrate_on_steps sets it).
         self.record_confidences = False
         # `--tree auto` found plain decoding fastest on its calibration prompts: the engine decodes
@@ -260,17 +271,41 @@ class Engine:
         run.base_dev, run.root_dev = res.base_len, res.tokens[:1]
         return self._read(res.report)
 
-    def _plain_step(self, run: "Run"):
-        """Ordinary decoding: the one-node tree (the root alone) through the plain graph."""
+    def _plain_step(self, run: "Run", keep_rows: bool = False):
+        """Ordinary decoding: the one-node tree (the root alone) through the plain graph; `keep_rows`
+        hands the root's hidden row to a drafter that reads them."""
         sig = run.signatures[0]
         res = sig.unpack(run.graphs["plain"](*sig.args(self._root(run), run.base_dev, run.temperature, run.top_p,
                                                        run.table)))
+        if keep_rows and self.drafter.needs_rows:
+            self.drafter.add_rows(tap_rows(res.taps, self._row0), run.base_len)
         run.next_tokens = run.next_confidence = None
+        run.graph = "plain"
         return self._advance(run, res), 1
+
+    def _rest_step(self, run: "Run", start: bool = False):
+        """A plain step while an adaptive engine's drafter rests (`start`: a new run of them): the
+        root's row waits with the drafter, and the next speculative call re-proposes through the
+        drafter's own graphs, which flush the waiting rows (as the first call after prefill does)."""
+        if start:
+            run.rest_run = next_rest_run(run.rest_run)
+            run.rest_left = run.rest_run
+        run.rest_left -= 1
+        return self._plain_step(run, keep_rows=True)
+
+    def _choose(self, run: "Run") -> int:
+        """The family member for this call's drafts (0: rest the drafter), from their confidences."""
+        k = choose(self.tree, self.adaptive["latency_ms"], self.adaptive["rates"], run.confidence,
+                   self.adaptive.get("rest_ms"))
+        if k:
+            run.rest_run = 0
+        return k
 
     def _speculative_step(self, run: "Run"):
         """The drafter proposes on the host, the step graph verifies; the accepted rows go back to a
         drafter that reads the target's hidden states. Without a proposal the step is plain."""
+        if run.rest_left > 0:
+            return self._rest_step(run)
         drafts, found = self.drafter.propose(run.committed)
         if not found:
             return self._plain_step(run)
@@ -278,7 +313,9 @@ class Engine:
         if self.adaptive is not None or self.record_confidences:
             run.confidence = self.drafter.confidences()
         if self.adaptive is not None:  # the family member with the most expected tokens per second
-            T = choose(self.tree, self.adaptive["latency_ms"], self.adaptive["rates"], run.confidence)
+            T = self._choose(run)
+            if T == 0:
+                return self._rest_step(run, start=True)
             if T == 1 and not self.drafter.needs_rows:
                 return self._plain_step(run)
             sig, name = StepSignature(T, self.sampled, mode=run.mode), step_name(T, self.tree.size)
@@ -286,6 +323,7 @@ class Engine:
         tokens = self._with_lookup(run, torch.cat((self._root(run), drafts)))
         res = sig.unpack(run.graphs[name](*sig.args(tokens, run.base_dev, run.temperature, run.top_p, run.table,
                                                     self.drafter.q)))
+        run.graph = name
         report = self._advance(run, res)
         if self.drafter.needs_rows:  # the root and the accepted drafts are now committed context
             n = report[0]
@@ -297,7 +335,10 @@ class Engine:
         """One graph per step: it verifies, updates the drafter and returns the next tree (root and
         drafts) and its q, which stay on the device for the next call. The first proposal (which
         flushes the prompt's rows) comes from the drafter's own graphs. An adaptive engine reads the
-        drafts' confidences and runs the family member that verifies the first k nodes."""
+        drafts' confidences and runs the family member that verifies the first k nodes, or rests
+        its drafter (the plain graph, re-probed after a run of plain steps)."""
+        if run.rest_left > 0:
+            return self._rest_step(run)
         T, sig, name = self.tree.size, run.signatures[2], "fused"
         if run.next_tokens is None:
             drafts, _ = self.drafter.propose(run.committed)
@@ -308,7 +349,9 @@ class Engine:
         if confidence is not None and (self.adaptive is not None or self.record_confidences):
             run.confidence = (list(self.tree.ranks[1:]), self._read(confidence))
         if self.adaptive is not None and run.confidence is not None:
-            k = choose(self.tree, self.adaptive["latency_ms"], self.adaptive["rates"], run.confidence)
+            k = self._choose(run)
+            if k == 0:
+                return self._rest_step(run, start=True)
             if k < T:
                 sig = StepSignature(k, self.sampled, fused=True, mode=run.mode, confidence=self.rates)
                 name, tokens, T = fused_name(k, T), tokens[:k], k
@@ -316,6 +359,7 @@ class Engine:
         res = sig.unpack(run.graphs[name](*sig.args(tokens, run.base_dev, run.temperature, run.top_p, run.table,
                                                     q)))
         run.next_tokens, run.next_q, run.next_confidence = res.tokens, res.next_q, res.confidence
+        run.graph = name
         return self._advance(run, res), T
 
     def _with_lookup(self, run: "Run", tokens: torch.Tensor) -> torch.Tensor:
@@ -341,6 +385,7 @@ class Engine:
             stats.lookup_accepted += bool(set(path[1: n + 1]) & set(run.lookup_nodes))
         stats.steps += 1
         stats.verified_sizes[size] = stats.verified_sizes.get(size, 0) + 1
+        stats.graphs[run.graph] = stats.graphs.get(run.graph, 0) + 1
         while len(stats.accepted_hist) <= n:
             stats.accepted_hist.append(0)
         stats.accepted_hist[n] += 1

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import specc
-from specc.adaptive import bucket, choose, expected_tokens, prefix, rates_from_counts, step_name
+from specc.adaptive import REST_MAX, bucket, choose, expected_tokens, next_rest_run, prefix, rates_from_counts, step_name
 from specc.drafters.ngram import ngram_confidences, ngram_continuations, ngram_tree_drafts
 from specc.errors import SpeccError
 from specc.tree import chain, parse_tree
@@ -40,6 +40,22 @@ def test_choice_with_a_class_per_node():
     assert choose(tree, LATENCY[:3], table, ([0, 1], [0.9, 0.9])) == 2  # the rank-1 child does not pay
     assert choose(tree, LATENCY[:3], [RATES[0]] * 2, ([0, 1], [0.9, 0.9])) == 3
     assert choose(tree, LATENCY[:3], table, ([0, 1], [0.0, 0.9])) == 1
+
+
+def test_choice_may_rest_a_fused_drafter():
+    """A fused family's members all pay for the drafter; k = 0 is the plain graph without it, chosen
+    when no member's expected tokens per millisecond beat one token per rest_ms (a tie rests)."""
+    tree = parse_tree("topk:1,2")
+    table = [RATES[0]] * 2
+    assert choose(tree, LATENCY[:3], table, ([0, 1], [0.0, 0.0]), rest_ms=0.95) == 0
+    assert choose(tree, LATENCY[:3], table, ([0, 1], [0.9, 0.9]), rest_ms=0.95) == 3
+    assert choose(tree, LATENCY[:3], table, ([0, 1], [0.0, 0.0]), rest_ms=1.0) == 0  # tie with fused1
+    assert choose(tree, LATENCY[:3], table, ([0, 1], [0.0, 0.0]), rest_ms=1.2) == 1
+    # The backoff between probes of a resting drafter: 1, 2, 4 ... REST_MAX plain steps.
+    runs = [next_rest_run(0)]
+    while len(runs) < 8:
+        runs.append(next_rest_run(runs[-1]))
+    assert runs == [1, 2, 4, 8, 16, 32, 32, 32] and REST_MAX == 32
 
 
 def test_expected_tokens_of_a_tree_prefix():
@@ -185,6 +201,7 @@ def test_dspark_adaptive_engine_chooses_fused_steps_from_its_confidences(dspark_
     manifest = json.loads((path / "specc.json").read_text())
     fam = manifest["adaptive"]
     assert fam["fused"] and fam["graphs"] == ["fused1", "fused2", "fused3", "fused"]
+    assert fam["rest_ms"] > 0  # the plain graph, timed for the drafter's rests
     assert len(fam["seen"]) == 2 and sum(map(sum, fam["seen"])) > 0  # two sibling ranks, nodes observed
     assert {f"fused{k}_greedy" for k in range(1, 4)} <= set(manifest["graphs"])
     engine = specc.load(path)
@@ -207,4 +224,37 @@ def test_dspark_adaptive_engine_chooses_fused_steps_from_its_confidences(dspark_
         assert set(r.stats.verified_sizes) == {size} and r.token_ids == hf_greedy(model, prompt, 24)
     out = specc_cli("inspect", path)
     assert out.returncode == 0, out.stderr
-    assert "fused2" in out.stdout and "acceptance rate" in out.stdout
+    assert "fused2" in out.stdout and "acceptance rate" in out.stdout and "the drafter rests" in out.stdout
+
+
+def test_dspark_adaptive_engine_rests_its_drafter(dspark_adaptive, monkeypatch):
+    """Where no fused member pays for the drafter, the engine runs the plain graph and the drafter
+    rests, its rows waiting on the host; it re-probes after 1, 2, 4, 8, 16 plain steps (one call of
+    the drafter's own graph each), and resumes speculating where a probe says so. The output stays
+    the target's, fused and unfused with the same choices."""
+    from test_engine import PROMPT, hf_greedy
+
+    model, path = dspark_adaptive
+    engine = specc.load(path)
+    proposals = []
+    propose = engine.drafter.propose
+    monkeypatch.setattr(engine.drafter, "propose", lambda committed: proposals.append(len(committed)) or propose(committed))
+    prompt = PROMPT * 3
+    engine.adaptive = {**engine.adaptive, "latency_ms": LATENCY, "rest_ms": 0.95, "rates": [[0.0] * 6] * 2}
+    r = engine.generate(prompt, max_new_tokens=24, stop_at_eos=False)
+    assert r.token_ids == hf_greedy(model, prompt, 24)
+    assert r.stats.graphs == {"plain": 23} and r.stats.verified_sizes == {1: 23}
+    L = len(engine.encode(prompt))
+    assert [n - L for n in proposals] == [1, 2, 4, 8, 16]  # probes after runs of 1, 2, 4, 8 plain steps
+    # Drafts below 0.2 never accepted, the rest nearly always: rests and speculation mix (a random
+    # drafter's confidences here lie in 0.02-0.7), and both paths choose alike.
+    engine.adaptive = {**engine.adaptive, "rates": [[0.0, 0.9, 0.95, 0.95, 0.95, 0.95]] * 2}
+    runs = {}
+    for use_fused in (True, False):
+        engine.use_fused = use_fused
+        runs[use_fused] = engine.generate(prompt, max_new_tokens=40, stop_at_eos=False)
+    assert runs[True].token_ids == runs[False].token_ids == hf_greedy(model, prompt, 40)
+    fused, unfused = runs[True].stats, runs[False].stats
+    assert fused.verified_sizes == unfused.verified_sizes and fused.graphs["plain"] == unfused.graphs["plain"]
+    assert fused.graphs["plain"] > 0 and any(k > 1 for k in fused.verified_sizes), fused.graphs
+    assert runs[True].stats.as_dict()["graphs"] == dict(sorted(fused.graphs.items()))  # in `specc run --json`
