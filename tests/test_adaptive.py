@@ -205,7 +205,9 @@ def test_dspark_adaptive_engine_chooses_fused_steps_from_its_confidences(dspark_
     assert len(fam["seen"]) == 2 and sum(map(sum, fam["seen"])) > 0  # two sibling ranks, nodes observed
     assert {f"fused{k}_greedy" for k in range(1, 4)} <= set(manifest["graphs"])
     engine = specc.load(path)
-    engine.adaptive = {**engine.adaptive, "latency_ms": LATENCY, "rates": RATES * 2}
+    # Fixed latencies, and no resting member (its measured rest_ms is in real milliseconds): the
+    # fused members alone (rests: the next test).
+    engine.adaptive = {**engine.adaptive, "latency_ms": LATENCY, "rest_ms": None, "rates": RATES * 2}
     prompt = PROMPT * 3
     runs = {}
     for use_fused in (True, False):
