@@ -17,6 +17,7 @@ import hashlib
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.utils import _pytree as pytree
@@ -179,10 +180,23 @@ def cache_key(lifted_ep: torch.export.ExportedProgram, sub: dict, example_args: 
     return h.hexdigest()[:32]
 
 
+def lowering_passes(backend: str, device: str) -> list[tuple[str, Callable]]:
+    """Passes that run on the program just before the backend compiles it, as they depend on the
+    device (the graph plans do not: one plan serves every device)."""
+    if backend == "inductor" and torch.device(device).type == "cpu":
+        from specc.passes.attend_prefix import attend_prefix
+
+        return [("attend_prefix", attend_prefix)]
+    return []
+
+
 def compile_inductor(ep: torch.export.ExportedProgram, state: dict[str, torch.Tensor], out_path: Path,
-                     example_args: tuple) -> list[str]:
-    """Compile to an AOTInductor package at out_path (through the compile cache); returns the state keys it takes."""
+                     example_args: tuple, passes: list[tuple[str, Callable]] = ()) -> list[str]:
+    """Compile to an AOTInductor package at out_path (through the compile cache), after running
+    `passes` (lowering_passes) on the lifted program; returns the state keys it takes."""
     lifted_ep, sub = lift(ep, state, example_args)
+    for _, fn in passes:
+        lifted_ep = fn(lifted_ep)
     keys = list(sub)
     key = cache_key(lifted_ep, sub, example_args)
     cached = cache_dir() / "aoti" / f"{key}.pt2"
@@ -254,9 +268,10 @@ def lower_graph(backend: str, ep: torch.export.ExportedProgram, state: dict[str,
         if backend == "tensorrt":
             require_trt_clean(folder, entry)
         return entry
-    rel = f"graphs/{name}.pt2"
-    keys = compile_inductor(on_device(ep, device), state, folder / rel, tuple(a.to(device) for a in example_args))
-    return {"file": rel, "state_keys": keys}
+    rel, passes = f"graphs/{name}.pt2", lowering_passes(backend, device)
+    keys = compile_inductor(on_device(ep, device), state, folder / rel, tuple(a.to(device) for a in example_args),
+                            passes)
+    return {"file": rel, "state_keys": keys, "lowering": [n for n, _ in passes]}
 
 
 def open_graph(backend: str, folder: Path, entry: dict, state: dict[str, torch.Tensor], device: str,

@@ -513,6 +513,40 @@ def test_tree_attention_pass_replaces_sdpa_and_keeps_values(arch, heads, kv):
     assert count(again, lambda t: t is ops.tree_attention.default) == n_layers
 
 
+def test_attend_prefix_slices_the_cache_and_keeps_values(tmp_path):
+    """The CPU lowering pass: each attention reads keys [0, kv_len) only (K, V and mask sliced to one
+    unbacked length for all layers), with the values of the whole-cache op, in eager and compiled by
+    AOTInductor, while the slots past kv_len hold garbage (the mask hides them)."""
+    from specc.passes.attend_prefix import attend_prefix
+
+    model = tiny_model("llama", seed=4, heads=4, kv_heads=2)
+    T, n_layers = 3, model.config.num_hidden_layers
+    args = (torch.randint(0, 64, (1, T), generator=gen(0)), (torch.arange(T) + 5).view(1, T), torch.arange(T) + 5,
+            causal_mask(T, 5, S))
+    ref = tree_attention(capture(TargetModule(model, S), args))
+    ep = attend_prefix(tree_attention(capture(TargetModule(model, S), args)))
+    assert count(ep, lambda t: t is ops.tree_attention.default) == 0
+    attn = [n for n in ep.graph.nodes if n.op == "call_function" and n.target is SDPA]
+    assert len(attn) == n_layers
+    lengths = {n.args[1].args[3] for n in attn}  # slice(k, 2, None, n): one n for every layer
+    assert len(lengths) == 1 and next(iter(lengths)).target is torch.ops.aten.item.default
+    assert not isinstance(attn[0].args[1].meta["val"].shape[2], int)  # the key length is data-dependent
+    assert ep.graph_signature.user_inputs == ref.graph_signature.user_inputs
+    garbage = {name: torch.randn(ref.state_dict[name].shape, generator=gen(1)) * 50
+               for name in ref.state_dict if name.endswith("_cache")}
+    want, got = ref.module(), ep.module()
+    for m in (want, got):
+        for key, value in garbage.items():
+            m.get_buffer(key).copy_(value)
+    # the compiled package keeps its own (zeroed) caches: compare it with a fresh reference
+    pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "prefix.pt2"))
+    pairs = [(want, got), (ref.module(), torch._inductor.aoti_load_package(pkg))]
+    for start in (5, 8, 20):  # later calls attend over the earlier ones' writes
+        x = (args[0], (torch.arange(T) + start).view(1, T), torch.arange(T) + start, causal_mask(T, start, S))
+        for i, (a, b) in enumerate(pairs):
+            torch.testing.assert_close(b(*x)[0], a(*x)[0], atol=1e-5, rtol=1e-5, msg=f"pair {i} at {start}")
+
+
 def test_graph_plans_run_the_kernel_passes():
     tr = topk(2, 2)
     plans = {p.name: p for p in graph_plans(get_kind("ngram"), tr, 8, S)}
