@@ -7,7 +7,9 @@ Importing this package registers the ops under the `specc` namespace:
 * ``torch.ops.specc.tree_accept_greedy`` / ``tree_accept_sample`` -- acceptance of a draft tree
   (tree_accept.py);
 * ``torch.ops.specc.compact_kv_`` -- the accepted path's K/V moved in place to consecutive slots
-  (compact_kv.py).
+  (compact_kv.py);
+* ``torch.ops.specc.gguf_linear(x, qs, d, m, fmt)`` -- a product with a weight kept in a GGUF
+  file's Q8_0 / Q4_0 / Q4_1 blocks, dequantised in the kernel (gguf_linear.py).
 
 On CPU tensors each op runs its torch reference; on CUDA tensors it runs the Triton kernel. Triton
 stays optional at run time: without it this package still imports, and CUDA calls fall back to the
@@ -33,6 +35,8 @@ if __name__ != "specc.kernels":  # found as a top-level `kernels` from the repos
     __all__: list[str] = []
 else:
     from .compact_kv import compact_kv_reference, compact_kv_triton
+    from .gguf_linear import dequantize as gguf_dequantize
+    from .gguf_linear import gguf_linear_reference, gguf_linear_triton
     from .tree_accept import (accept_greedy_reference, accept_greedy_triton, accept_sample_reference,
                               accept_sample_triton, accept_sampled_reference)
     from .tree_attention import tree_attention_reference, tree_attention_triton
@@ -44,4 +48,5 @@ else:
         "accept_greedy_reference", "accept_greedy_triton", "accept_sample_reference", "accept_sample_triton",
         "accept_sampled_reference",
         "compact_kv_reference", "compact_kv_triton",
+        "gguf_dequantize", "gguf_linear_reference", "gguf_linear_triton",
     ]

@@ -35,7 +35,7 @@ def cmd_compile(a) -> int:
                            block_size=a.block_size, device=a.device, children=a.children, max_len=a.max_len,
                            prefill_chunk=a.prefill_chunk, dump_ir=a.dump_ir, progress=not a.json,
                            adaptive=a.adaptive, ngram_branch=a.ngram_branch, ngram_corpus=a.ngram_corpus,
-                           **({"modes": a.modes} if a.modes else {}))
+                           quant=a.quant, **({"modes": a.modes} if a.modes else {}))
     out = specc.compile(config=config)
     manifest = json.loads((out / "specc.json").read_text())
     if a.json:
@@ -49,7 +49,8 @@ def cmd_compile(a) -> int:
         for line in tree_report_lines(manifest["tree"]):
             print("  " + line)
         for name, g in manifest["graphs"].items():
-            print(f"  graph {name:<14} {g['tokens']:>4} tokens/call  passes: capture -> {' -> '.join(g['passes'])}")
+            print(f"  graph {name:<14} {g['tokens']:>4} tokens/call  passes: capture -> "
+                  f"{' -> '.join(g['passes'] + g.get('lowering', []))}")
         if "adaptive" in manifest:
             for line in adaptive_lines(manifest["adaptive"]):
                 print("  " + line)
@@ -169,6 +170,10 @@ def cmd_inspect(a) -> int:
     print(f"backend     {m['backend']} on {m.get('device', 'cpu')}, dtype {m['dtype']}, max_len {m['max_len']}, "
           f"prefill chunk {m['prefill_chunk']}")
     print(f"modes       {', '.join(m['modes'])} (one graph per mode for each graph that samples)")
+    if "quant" in m:
+        q, b = m["quant"], m["quant"]["bytes_per_token"]
+        print(f"weights     target {q['target']}: {b['target'] / 1e6:.1f} MB read per token; drafter {q['drafter']}: "
+              f"{b['drafter'] / 1e6:.1f} MB of its own per call")
     if "adaptive" in m:
         print("adaptive    per step, the step graph with the most expected tokens per second:")
         for line in adaptive_lines(m["adaptive"]):
@@ -180,6 +185,8 @@ def cmd_inspect(a) -> int:
             print(f"graph {name} ({g['tokens']} tokens/call):")
             for i, p in enumerate(["capture"] + g["passes"]):
                 print(f"  {i}. {p}")
+            for p in g.get("lowering", []):
+                print(f"  +  {p} (before {m['backend']} compiles it, for {m.get('device', 'cpu')})")
     if a.tree_png:
         print(f"tree drawn to {a.tree_png}")
     if lint is not None:
@@ -292,6 +299,10 @@ def add_compile(sub) -> None:
     c.add_argument("--max-len", type=int, default=1024)
     c.add_argument("--prefill-chunk", type=int, default=32)
     c.add_argument("--dump-ir", default=None, metavar="DIR", help="write the graph after every pass here")
+    c.add_argument("--quant", default="none", metavar="none|int8",
+                   help="weight-only quantization of the target's linear layers and LM head: int8 (one scale per "
+                        "output row; a quarter of float32's weight bytes per token). Lossless speculation is then "
+                        "with respect to the quantized target")
     c.add_argument("--adaptive", action="store_true",
                    help="ngram: also compile a step graph for each prefix of the tree, time them here, and per step "
                         "verify the one with the most expected tokens per second (plain decoding when drafts look poor)")

@@ -29,9 +29,10 @@ from .config import MANIFEST, CompileConfig
 from .drafters import get_kind
 from .errors import SpeccError
 from .hybrid import branch_entry, with_ngram_branch
-from .models import load_model, parse_dtype, sha256_file
+from .models import default_gguf, load_model, parse_dtype, sha256_file
 from .pipeline import example_inputs
 from .plans import build_program, graph_plans
+from .quant import GGUF_FILE, load_blocks, quantize_, read_gguf_blocks, save_blocks, weight_bytes
 from .runtime import Engine
 from .signature import SampledChildren
 from .target_module import TargetModule, module_state, sliding_window_limit
@@ -59,10 +60,14 @@ class EngineModules:
         return {"target": target, "draft": draft, "fused": {**target, **{f"draft.{k}": v for k, v in draft.items()}}}
 
 
-def build_modules(kind, target_hf, weights, entry: dict, tree: Tree, cache_len: int) -> EngineModules:
-    """The one builder that compile and load share: from the drafter kind, its weights and its manifest entry."""
+def build_modules(kind, target_hf, weights, entry: dict, tree: Tree, cache_len: int,
+                  quant="none") -> EngineModules:
+    """The one builder that compile and load share: from the drafter kind, its weights and its manifest
+    entry. `quant`: the target's weight quantization (a name or a config), applied once the drafter has taken the float
+    tensors it shares with the target (specc/quant.py)."""
     target = TargetModule(target_hf, cache_len, taps=kind.taps(entry, target_hf.config.num_hidden_layers))
     draft = kind.module(weights, target, entry, tree, cache_len)
+    quantize_(target, quant)
     return EngineModules(target, draft, SampledChildren.from_entry(entry, target.vocab_size))
 
 
@@ -92,7 +97,9 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
     if cfg.ngram_branch:
         entry["ngram_branch"] = branch_entry(tree, cfg.ngram_branch)
     cache_len = cfg.max_len + max(cfg.prefill_chunk, tree.size)
-    modules = build_modules(kind, target.model, weights, entry, tree, cache_len)
+    # gguf: the file's own blocks for the products (the float model above is what they decode to)
+    quant = read_gguf_blocks(gguf_path(target), target.model.config) if cfg.quant == "gguf" else cfg.quant
+    modules = build_modules(kind, target.model, weights, entry, tree, cache_len, quant)
     plans = graph_plans(kind, tree, cfg.prefill_chunk, cache_len, cfg.backend, modules.sampled, cfg.modes,
                         cfg.adaptive)
     with staging(out) as stage:
@@ -114,14 +121,21 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
         if cfg.dump_ir:  # the shared first stages were copied into each graph's dump
             shutil.rmtree(Path(cfg.dump_ir) / ".base", ignore_errors=True)
         target.model.save_pretrained(stage / "target")
+        if cfg.quant == "gguf":
+            save_blocks(quant, stage / "target" / GGUF_FILE)
         if target.tokenizer is not None:
             target.tokenizer.save_pretrained(stage / "target")
         kind.save(weights, stage / "draft", target.model)
         trt = tensorrt_engines(stage, out, graphs, cfg.progress) if cfg.backend == "tensorrt" else None
-        write_manifest(stage, cfg, target, modules.target, entry, tree, report, graphs, cache_len, trt)
+        write_manifest(stage, cfg, target, modules, entry, tree, report, graphs, cache_len, trt)
         if cfg.adaptive:
             measure_family(stage, cfg.progress)
     return out
+
+
+def gguf_path(target) -> Path:
+    """The GGUF file a target was loaded from (CompileConfig allows --quant gguf only for one)."""
+    return default_gguf() if target.source == "default" else Path(target.source)
 
 
 def measure_family(stage: Path, progress: bool) -> None:
@@ -206,10 +220,12 @@ def measure_tree(cfg: CompileConfig, depth_limit: int):
         calibrate.cleanup(work)
 
 
-def write_manifest(stage: Path, cfg: CompileConfig, target, target_module: TargetModule, entry: dict, tree: Tree,
+def write_manifest(stage: Path, cfg: CompileConfig, target, modules: EngineModules, entry: dict, tree: Tree,
                    report: dict | None, graphs: dict, cache_len: int, trt: dict | None = None) -> None:
     """specc.json: versions, what was compiled, and the sha256 of every file (never a pickle)."""
     import transformers
+
+    target_module = modules.target
 
     for p in stage.rglob("*"):
         if p.suffix in (".bin", ".pkl", ".pickle", ".pt"):
@@ -233,6 +249,9 @@ def write_manifest(stage: Path, cfg: CompileConfig, target, target_module: Targe
         "backend": cfg.backend, "device": cfg.device, "dtype": str(cfg.torch_dtype).replace("torch.", ""),
         "modes": list(cfg.modes), "max_len": cfg.max_len, "prefill_chunk": cfg.prefill_chunk, "cache_len": cache_len,
         "graphs": graphs,
+        # what each decoded token reads: the target's weights (quantized or not) and the drafter's own
+        "quant": {"target": cfg.quant, "drafter": "none", "bytes_per_token": {
+            "target": weight_bytes(modules.target), "drafter": weight_bytes(modules.draft, shared=modules.target)}},
         **({"adaptive": {"sizes": adaptive.family_sizes(tree)}} if cfg.adaptive else {}),
         **({"tensorrt": trt} if trt is not None else {}),
         "files": files,
@@ -337,7 +356,10 @@ def load(path, check_hashes: bool = True, device: str | None = None, cuda_graphs
     entry, tree = manifest["drafter"], tree_from_paths(manifest["tree"]["paths"])
     kind, cache_len, chunk = get_kind(entry["kind"]), manifest["cache_len"], manifest["prefill_chunk"]
     weights = kind.load_saved(path / "draft", entry, model, dtype)
-    modules = build_modules(kind, model, weights, entry, tree, cache_len)
+    quant = manifest.get("quant", {}).get("target", "none")
+    if quant == "gguf":
+        quant = load_blocks(path / "target" / GGUF_FILE)
+    modules = build_modules(kind, model, weights, entry, tree, cache_len, quant)
     plans = {p.name: p for p in graph_plans(kind, tree, chunk, cache_len, backend, modules.sampled,
                                             manifest["modes"], "adaptive" in manifest)}
     states = move_states(modules.states(), device)

@@ -15,6 +15,7 @@ from .backends import check_backend, check_device
 from .drafters import get_kind, kinds_with
 from .errors import SpeccError
 from .models import parse_dtype
+from .quant import check_quant
 from .signature import MODES
 from .tree import MAX_TREE_NODES, Tree, chain, is_measured, parse_tree
 
@@ -54,6 +55,9 @@ class CompileConfig:
     # Hybrid trees (specc/hybrid.py): a chain of this many nodes under the root that the runtime fills
     # with prompt lookup's continuation, beside a model drafter's tree. 0: none.
     ngram_branch: int = 0
+    # Weight-only quantization of the target's linear layers (specc/quant.py): none, int8, or gguf (a
+    # GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks).
+    quant: str = "none"
     # Derived in __post_init__: the parsed tree (a stand-in chain for a measured spec) and the dtype.
     tree_spec: str = field(init=False)
     parsed_tree: Tree = field(init=False, repr=False, compare=False)
@@ -105,6 +109,15 @@ class CompileConfig:
                 raise SpeccError("--adaptive chooses from the drafter's confidences, which prompt lookup's branch "
                                  "lacks; use --adaptive or --ngram-branch, not both.")
         self._check_ngram_branch(kind)
+        check_quant(self.quant)
+        if self.quant == "gguf" and self.model is not None and Path(self.model).suffix != ".gguf":
+            raise SpeccError("--quant gguf keeps a GGUF file's own blocks; give a .gguf model (or none, for the "
+                             "embedded SmolLM2 GGUF), or use --quant int8.")
+        if self.quant == "gguf" and self.torch_dtype != torch.float32:
+            raise SpeccError("--quant gguf computes in float32 (the activations of its products); use --dtype float32.")
+        if self.quant != "none" and self.backend in ("onnx", "tensorrt"):
+            raise SpeccError(f"--quant {self.quant} runs on the eager and inductor backends; the ONNX lowering of "
+                             f"quantized weights is not built yet.")
         kind.check(self)
 
     def _check_ngram_branch(self, kind) -> None:

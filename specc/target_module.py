@@ -21,6 +21,7 @@ from torch import nn
 
 from .errors import SpeccError
 from .models import check_architecture
+from .quant import linear  # a float weight, or a quantized one (specc/quant.py)
 
 NEG_INF = -1e9  # large negative, not -inf: a fully masked row stays finite instead of NaN
 
@@ -73,7 +74,7 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cache_pos, mask):
         T = x.shape[1]
         H, KV, D = self.n_heads, self.n_kv, self.head_dim
-        qkv = F.linear(self.input_layernorm(x), self.wqkv, self.bqkv)
+        qkv = linear(self.input_layernorm(x), self.wqkv, self.bqkv)
         q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
         q, k, v = q.view(1, T, H, D), k.view(1, T, KV, D), v.view(1, T, KV, D).transpose(1, 2)
         if self.q_norm is not None:
@@ -89,9 +90,9 @@ class Block(nn.Module):
         mg = mask.repeat(1, 1, G, 1) if G > 1 else mask
         o = F.scaled_dot_product_attention(qg, self.k_cache, self.v_cache, attn_mask=mg, scale=self.scaling)
         o = o.reshape(1, H, T, D).transpose(1, 2).reshape(1, T, H * D)
-        x = x + F.linear(o, self.wo)
-        gate, up = F.linear(self.post_attention_layernorm(x), self.w_gate_up).chunk(2, dim=-1)
-        return x + F.linear(self.act_fn(gate) * up, self.w_down)
+        x = x + linear(o, self.wo)
+        gate, up = linear(self.post_attention_layernorm(x), self.w_gate_up).chunk(2, dim=-1)
+        return x + linear(self.act_fn(gate) * up, self.w_down)
 
 
 class TargetModule(nn.Module):
@@ -145,7 +146,7 @@ class TargetModule(nn.Module):
                 tapped[i] = x
         x = self.norm(x)
         tapped[self.n_layers] = x  # the head's input; returned only when asked for
-        logits = F.linear(x, self.w_head).float()
+        logits = linear(x, self.w_head).float()
         return (logits, *(tapped[i] for i in self.taps))  # in the order asked for
 
     def example_inputs(self, T: int) -> tuple:

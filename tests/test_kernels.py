@@ -598,3 +598,65 @@ def test_aoti_inlines_the_ops(tmp_path):
     assert torch.allclose(got[0], want[0], atol=1e-5)
     for x, y in zip(got[1:], want[1:]):
         assert torch.equal(x, y)
+
+
+# -- gguf_linear: products with GGUF block-quantized weights -------------------------------------
+
+def gguf_weight(fmt: str, N: int = 40, K: int = 96, seed: int = 0):
+    """A random weight quantized by gguf-py (what llama.cpp's tools write), as the file's bytes and
+    as gguf-py dequantises them."""
+    import gguf
+    import numpy as np
+
+    qtype = gguf.GGMLQuantizationType[fmt]
+    w = torch.randn(N, K, generator=gen(seed)).numpy() * np.linspace(0.01, 3, N, dtype=np.float32)[:, None]
+    raw = gguf.quants.quantize(w, qtype)
+    return torch.from_numpy(np.array(raw)), torch.from_numpy(gguf.quants.dequantize(raw, qtype)).float()
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_decode_as_gguf_py_and_the_product_matches(fmt):
+    from specc.kernels.gguf_linear import dequantize, gguf_linear_reference, split_blocks
+
+    raw, want = gguf_weight(fmt)
+    qs, d, m = split_blocks(raw, fmt)
+    assert torch.equal(dequantize(qs, d, m, fmt), want)  # bit for bit: the model transformers loads
+    assert d.dtype == torch.float16 and (m.numel() > 0) == (fmt == "Q4_1")
+    for rows in (1, 3, 20):  # 20: past MAX_ROWS, the dequantise-then-GEMM path
+        x = torch.randn(1, rows, want.shape[1], generator=gen(rows))
+        torch.testing.assert_close(gguf_linear_reference(x, qs, d, m, fmt), x @ want.T, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(ops.gguf_linear(x, qs, d, m, fmt), x @ want.T, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_linear_triton_matches_reference(interpreted, fmt):
+    from specc.kernels.gguf_linear import gguf_linear_reference, gguf_linear_triton, split_blocks
+
+    raw, _ = gguf_weight(fmt, N=70, K=64, seed=3)  # 70: a partial block of outputs
+    qs, d, m = split_blocks(raw, fmt)
+    x = torch.randn(3, 64, generator=gen(4))
+    torch.testing.assert_close(gguf_linear_triton(x, qs, d, m, fmt, block_n=32), gguf_linear_reference(x, qs, d, m, fmt),
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_gguf_linear_compiles_to_native_cpu_code(tmp_path):
+    """Exported as one node; AOTInductor compiles its body (no call back into Python) to the same values."""
+    import zipfile
+
+    from specc.kernels.gguf_linear import split_blocks
+
+    raw, want = gguf_weight("Q4_1", N=48, K=64, seed=5)
+    qs, d, m = split_blocks(raw, "Q4_1")
+
+    class Product(nn.Module):
+        def forward(self, x, qs, d, m):
+            return ops.gguf_linear(x, qs, d, m, "Q4_1")
+
+    x = torch.randn(1, 2, 64, generator=gen(6))
+    ep = torch.export.export(Product(), (x, qs, d, m), strict=False)
+    assert count(ep, lambda t: t is ops.gguf_linear.default) == 1
+    pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "gguf.pt2"))
+    code = "".join(zipfile.ZipFile(pkg).read(n).decode(errors="ignore")
+                   for n in zipfile.ZipFile(pkg).namelist() if n.endswith(".cpp"))
+    assert "proxy_executor_call_function" not in code
+    torch.testing.assert_close(torch._inductor.aoti_load_package(pkg)(x, qs, d, m), x @ want.T, atol=1e-4, rtol=1e-5)

@@ -1,0 +1,98 @@
+"""Plain decoding from quantized weights against float32, side by side in one run (BENCHMARKS.md).
+
+One engine per --quant value (drafter none, the same backend), compiled into --engines or reused
+by directory name. On each prompt set, each prompt runs through every engine back to back, --rounds
+times, the order rotated every round. Figures: per engine the median over rounds of the median
+tokens/s over prompts (the whole generate() call, prefill included), the speedup over the first
+--quant value (none: float32), the weight bytes each decoded token reads (the manifest's count) and
+the time that many bytes take at this machine's streaming-read speed (the memory floor of a token).
+Greedy outputs are compared with the first engine's: a quantized model is a different model, so
+they may differ; the count is reported, not required.
+
+Usage: python examples/bench_quant.py [--quants none,int8] [--backend inductor] [--limit 10]
+           [--max-new-tokens 128] [--rounds 3] [--datasets humaneval,mt-bench] [--engines DIR]
+           [--write BENCHMARKS.md] [--json]
+Prints the run; writes it (under History, newest first, Current figures regenerated) only with --write.
+"""
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import specc
+from specc import benchfile
+from specc.data import load_prompts
+from specc.models import quiet_libraries
+
+
+def engine_dir(root: Path, quant: str, backend: str, progress: bool) -> Path:
+    out = root / f"plain-{backend}-{quant}"
+    if not (out / "specc.json").is_file():
+        specc.compile(None, drafter="none", backend=backend, quant=quant, modes="greedy", output_dir=out,
+                      progress=progress)
+    return out
+
+
+def label(quant: str, backend: str) -> str:
+    return f"plain decoding, {'float32' if quant == 'none' else quant} weights ({backend})"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    benchfile.add_arguments(ap, limit=10, max_new_tokens=128)
+    ap.add_argument("--quants", default="none,int8")
+    ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--datasets", default="humaneval,mt-bench")
+    ap.add_argument("--engines", default="engines/bench-quant")
+    args = ap.parse_args()
+    quants = args.quants.split(",")
+    engines = {q: specc.load(engine_dir(Path(args.engines), q, args.backend, not args.json)) for q in quants}
+    gb_s = benchfile.matvec_gb_s()
+    nbytes = {q: e.manifest["quant"]["bytes_per_token"]["target"] for q, e in engines.items()}
+    figures, lines = [], []
+    model = engines[quants[0]].manifest["target"]["name"]
+    for dataset in args.datasets.split(","):
+        ids = [engines[quants[0]].encode(p, chat=True) for p in load_prompts(dataset, args.limit)]
+        for e in engines.values():  # warm-up
+            e.generate(ids[0], max_new_tokens=8, stop_at_eos=False)
+        tps = {q: [] for q in quants}  # per round: the median over prompts
+        same = {q: 0 for q in quants}
+        for rnd in range(args.rounds):
+            order = quants[rnd % len(quants):] + quants[:rnd % len(quants)]
+            per = {q: [] for q in quants}
+            for x in ids:
+                outs = {}
+                for q in order:
+                    r = engines[q].generate(x, max_new_tokens=args.max_new_tokens, stop_at_eos=False)
+                    per[q].append(len(r.token_ids) / r.stats.wall_s)
+                    outs[q] = r.token_ids
+                for q in quants:
+                    same[q] += outs[q] == outs[quants[0]]
+            for q in quants:
+                tps[q].append(statistics.median(per[q]))
+        base = statistics.median(tps[quants[0]])
+        lines += [f"**{dataset}** ({len(ids)} prompts):", "",
+                  "| weights | tokens/s | vs first | weight MB per token | memory floor ms/token | same tokens as first |",
+                  "|---|---|---|---|---|---|"]
+        for q in quants:
+            t = statistics.median(tps[q])
+            lines.append(f"| {q} | {t:.1f} | {t / base:.2f}x | {nbytes[q] / 1e6:.1f} | {nbytes[q] / gb_s / 1e6:.2f} | "
+                         f"{same[q]}/{len(ids) * args.rounds} |")
+            figures.append(benchfile.figure(label(q, args.backend), dataset, model=model,
+                                            tokens_per_s=t, vs_plain=t / base if q != quants[0] else None,
+                                            new_tokens=args.max_new_tokens, prompts=len(ids),
+                                            note=f"vs plain: against {quants[0]} weights' plain decoding" if q != quants[0]
+                                            else None))
+        lines.append("")
+    setup = (f"Plain decoding (drafter none, {args.backend}) through one engine per weight format, first {args.limit} "
+             f"prompts of each set (chat template) x {args.max_new_tokens} new tokens x {args.rounds} rounds, order "
+             f"rotated each round, EOS ignored, warm-up excluded; tokens/s over the whole generate() call. Memory "
+             f"floor: the weight bytes a token reads at this machine's streaming-read speed ({gb_s:.1f} GB/s).")
+    run = benchfile.new_run("Quantized weights, plain decoding", figures, bytes_per_token=nbytes, read_gb_s=gb_s)
+    return benchfile.finish(args, run, setup, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    quiet_libraries()
+    sys.exit(main())

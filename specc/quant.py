@@ -1,0 +1,256 @@
+"""Weight-only quantization of the target's linear layers: `quantize_(target, config)`.
+
+Decoding one token reads every weight once, so on both this CPU and a GPU its time is the weight
+bytes. Two formats:
+
+* int8 (`Int8WeightOnly`): each [out, in] product weight as int8 with one float scale per output
+  row (symmetric, round to nearest: w ~= q * scale[out]), a quarter of float32's bytes. The product
+  keeps the scale outside the reduction, `F.linear(x, q.to(x.dtype)) * scale`, so the `matvec` pass
+  turns a few-row product into a reduction that reads the int8 weight and converts it in registers
+  (Inductor fuses the cast into the loop); larger products (prefill chunks) cast and call the GEMM.
+  Quantization is a pure function of the float weights, so an engine stores its target's float
+  weights and `specc.load` quantizes them again to the very same tensors.
+* gguf (`GGUFBlocks`): the blocks a GGUF file stores (Q8_0, Q4_0, Q4_1), kept as they are and
+  decoded inside the product (specc::gguf_linear, kernels/gguf_linear.py). They decode bit for bit
+  to the float weights transformers loads from the file (checked when an engine is built), so such
+  an engine computes the very model a float load of the file gives, from 0.6-1.1 bytes per weight.
+  The engine keeps the blocks (target/gguf_blocks.safetensors).
+
+The same formula runs on every backend, so a quantized engine's plain decoding, its speculative
+decoding and its eager reference all compute the one quantized model: speculation stays lossless
+with respect to it (for int8, not to the float model it came from). Drafters keep their own
+(float) weights; a drafter that shares the target's LM head keeps the float head it was given.
+torchao's Int8WeightOnlyConfig computes the same kind of int8 weights, but as a tensor subclass:
+what the pipeline needs is plain buffers that torch.export, the matvec pass and the backends see as
+ordinary tensors and ops, and one formula that every backend runs alike, so specc keeps these few
+lines instead of a dependency (torchao 0.18 is on the registry).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import SpeccError
+
+QUANTS = ("none", "int8", "gguf")
+GGUF_FILE = "gguf_blocks.safetensors"  # an engine's copy of its target's GGUF blocks (in target/)
+
+
+@dataclass(frozen=True)
+class Int8WeightOnly:
+    """int8 weights, one float32 scale per output row (symmetric, round to nearest, q in [-127, 127])."""
+    name: str = "int8"
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """The weights as a GGUF file stores them: {product name: (format, qs, d, m)} (read_gguf_blocks)."""
+    blocks: dict
+    name: str = "gguf"
+
+
+def check_quant(name: str) -> str:
+    if name not in QUANTS:
+        raise SpeccError(f"unknown --quant {name!r}; use one of {', '.join(QUANTS)}.")
+    return name
+
+
+class Int8Weight(nn.Module):
+    """A product weight [out, in] as int8 `q` and float `scale` [out]; call it like F.linear's weight."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        q, scale = quantize_int8(weight)
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.q.to(x.dtype)) * self.scale.to(x.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.q.to(self.scale.dtype) * self.scale[:, None]
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-row int8: scale = max |w| / 127 over the row (1 for an all-zero row)."""
+    w = weight.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.to(weight.dtype)
+
+
+class GGUFWeight(nn.Module):
+    """A product weight kept in GGUF blocks (Q8_0, Q4_0, Q4_1), dequantised inside the product
+    (specc::gguf_linear, kernels/gguf_linear.py)."""
+
+    def __init__(self, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+        import specc.kernels  # noqa: F401  (registers torch.ops.specc.gguf_linear)
+
+        super().__init__()
+        self.fmt = fmt
+        self.register_buffer("qs", qs)
+        self.register_buffer("d", d)
+        self.register_buffer("m", m)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([self.qs.shape[0], self.qs.shape[1] * 32])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.specc.gguf_linear(x.to(torch.float32), self.qs, self.d, self.m, self.fmt).to(x.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        from specc.kernels.gguf_linear import dequantize
+
+        return dequantize(self.qs, self.d, self.m, self.fmt)
+
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for a float weight or a quantized one (a module that computes the product)."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    y = weight(x)
+    return y if bias is None else y + bias
+
+
+PRODUCTS = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+def quantize_(target: nn.Module, config) -> nn.Module:
+    """Replace the target's product weights (each block's fused q/k/v, output, fused gate/up and
+    down projections, and the LM head) by quantized ones, in place; returns the target. The
+    embedding table stays float: a token reads one row of it. `config`: Int8WeightOnly, or None /
+    "none" for no change."""
+    if config is None or config == "none":
+        return target
+    if config == "int8":
+        config = Int8WeightOnly()
+    if not isinstance(config, (Int8WeightOnly, GGUFBlocks)):
+        raise SpeccError(f"unsupported quantization config {config!r}.")
+    owners = [(f"blocks.{i}.{name}", block, name) for i, block in enumerate(target.blocks) for name in PRODUCTS]
+    for full, owner, name in owners + [("w_head", target, "w_head")]:
+        w = getattr(owner, name)
+        if not isinstance(w, torch.Tensor):
+            continue
+        if isinstance(config, Int8WeightOnly):
+            new = Int8Weight(w)
+        elif full in config.blocks:
+            new = GGUFWeight(*config.blocks[full])
+            check_blocks(full, new, w)
+        else:  # stored as float in the file: stays float
+            continue
+        delattr(owner, name)
+        setattr(owner, name, new)
+    return target
+
+
+def check_blocks(name: str, q: GGUFWeight, w: torch.Tensor) -> None:
+    """The blocks must decode to exactly the float weight the model was loaded with."""
+    if tuple(q.shape) != tuple(w.shape) or not torch.equal(q.dequantized(), w.detach().float()):
+        raise SpeccError(f"the GGUF blocks of {name} do not decode to the weights transformers loaded from the file; "
+                         f"this GGUF cannot be kept in its own quantization (use --quant none or int8).")
+
+
+GGUF_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+# A target product -> the GGUF tensors it is made of (rows stacked in this order), for llama-architecture files.
+GGUF_PARTS = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",), "w_gate_up": ("ffn_gate", "ffn_up"),
+              "w_down": ("ffn_down",)}
+
+
+def read_gguf_blocks(path, config) -> GGUFBlocks:
+    """The product weights of a llama-architecture GGUF file as blocks, in the target's layout: q/k/v
+    and gate/up stacked by rows, q and k rows un-permuted as transformers un-permutes them (llama.cpp
+    interleaves the rotary halves), the LM head from `output.weight` or, tied, `token_embd.weight`.
+    A product whose tensors are float in the file is left out (it stays float)."""
+    import gguf
+    import numpy as np
+
+    from specc.kernels.gguf_linear import split_blocks
+
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields.get("general.architecture")
+    arch = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else "?"
+    if arch != "llama":
+        raise SpeccError(f"--quant gguf reads llama-architecture GGUF files; {path} is {arch!r}.")
+    tensors = {t.name: t for t in reader.tensors}
+
+    def rows(name: str, heads: int | None):
+        t = tensors[name]
+        kind = t.tensor_type.name
+        if kind in ("F32", "F16", "BF16"):
+            return None
+        if kind not in GGUF_FORMATS:
+            raise SpeccError(f"--quant gguf keeps {', '.join(GGUF_FORMATS)} blocks; {name} in {path} is {kind} "
+                             f"(use --quant none or int8).")
+        raw = torch.from_numpy(np.array(t.data))
+        if heads is not None:  # transformers' reverse permutation of q/k rows, as a row index
+            n = raw.shape[0]
+            raw = raw[torch.arange(n).reshape(heads, n // heads // 2, 2).transpose(1, 2).reshape(-1)]
+        return kind, raw
+
+    heads = {"attn_q": config.num_attention_heads,
+             "attn_k": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
+    out = {}
+    products = [(f"blocks.{i}.{p}", [f"blk.{i}.{g}.weight" for g in parts])
+                for i in range(config.num_hidden_layers) for p, parts in GGUF_PARTS.items()]
+    products.append(("w_head", ["output.weight" if "output.weight" in tensors else "token_embd.weight"]))
+    for product, names in products:
+        parts = [rows(n, heads.get(n.split(".")[2])) for n in names]
+        if any(p is None for p in parts):
+            if not all(p is None for p in parts):
+                raise SpeccError(f"--quant gguf needs {' / '.join(names)} in one block format; {path} mixes float "
+                                 f"and quantized tensors there.")
+            continue
+        kinds = {k for k, _ in parts}
+        if len(kinds) > 1:
+            raise SpeccError(f"--quant gguf needs {' / '.join(names)} in one block format; {path} has "
+                             f"{', '.join(sorted(kinds))}.")
+        fmt = kinds.pop()
+        out[product] = (fmt, *split_blocks(torch.cat([r for _, r in parts]), fmt))
+    return GGUFBlocks(out)
+
+
+def save_blocks(config: GGUFBlocks, path) -> None:
+    from safetensors.torch import save_file
+
+    tensors, formats = {}, {}
+    for name, (fmt, qs, d, m) in config.blocks.items():
+        tensors.update({f"{name}.qs": qs, f"{name}.d": d, f"{name}.m": m})
+        formats[name] = fmt
+    save_file(tensors, str(path), metadata={"formats": json.dumps(formats)})
+
+
+def load_blocks(path) -> GGUFBlocks:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        formats = json.loads(f.metadata()["formats"])
+        return GGUFBlocks({name: (fmt, f.get_tensor(f"{name}.qs"), f.get_tensor(f"{name}.d"), f.get_tensor(f"{name}.m"))
+                           for name, fmt in formats.items()})
+
+
+def weight_bytes(module: nn.Module | None, shared: nn.Module | None = None) -> int:
+    """Bytes of the weights one call of `module` reads for one token: every parameter and buffer
+    except the KV caches, the embedding table as one row, and none of the tensors it shares with
+    `shared` (a drafter's view of the target's embedding, say)."""
+    if module is None:
+        return 0
+    skip = {id(t) for t in [*shared.parameters(), *shared.buffers()]} if shared is not None else set()
+    total = 0
+    for name, t in {id(t): (n, t) for n, t in [*module.named_parameters(), *module.named_buffers()]}.values():
+        if id(t) in skip or name.rsplit(".", 1)[-1] in ("k_cache", "v_cache"):
+            continue
+        if name.endswith("embed_tokens.weight"):
+            total += t.shape[1] * t.element_size()
+        else:
+            total += t.numel() * t.element_size()
+    return total

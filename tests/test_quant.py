@@ -1,0 +1,176 @@
+"""Weight-only int8 (specc/quant.py): the quantizer against its definition, a quantized TargetModule
+against a Hugging Face model carrying the same dequantized weights, and quantized engines: lossless
+with respect to the quantized target (greedy, and sampling checked statistically), what the manifest
+and `specc inspect` say, and the refusals."""
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import specc
+from specc.config import CompileConfig
+from specc.errors import SpeccError
+from specc.quant import GGUFBlocks, GGUFWeight, Int8Weight, quantize_, quantize_int8, weight_bytes
+from specc.target_module import TargetModule, causal_mask
+from test_engine import hf_greedy
+from test_sampling import NEW, PROMPT, RUNS, V, exact_distribution, g_test
+from tiny import tiny_model
+
+S = 40
+
+
+def dequantized_hf(model):
+    """The float model that an int8 engine computes: a copy of `model` whose product weights are
+    their int8 round trips (the LM head untied from the embedding, which stays float)."""
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in m.model.layers:
+            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                q, s = quantize_int8(lin.weight)
+                lin.weight = nn.Parameter(q.float() * s[:, None])
+        q, s = quantize_int8(m.lm_head.weight)
+        m.lm_head.weight = nn.Parameter(q.float() * s[:, None])
+    return m
+
+
+def test_int8_round_trip_and_edge_rows():
+    w = torch.randn(7, 33, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 2, 7)[:, None]
+    w[3] = 0.0  # an all-zero row keeps a finite scale
+    q, s = quantize_int8(w)
+    assert q.dtype == torch.int8 and s.shape == (7,) and q.abs().max() <= 127
+    assert torch.all(q[torch.arange(7) != 3].abs().amax(1) == 127)  # each row's largest weight maps to +-127
+    err = (q.float() * s[:, None] - w).abs()
+    assert torch.all(err <= s[:, None] / 2 + 1e-12)
+    assert torch.equal(q[3], torch.zeros(33, dtype=torch.int8)) and s[3] == 1
+    x = torch.randn(5, 33)
+    torch.testing.assert_close(Int8Weight(w)(x), x @ (q.float() * s[:, None]).T, atol=1e-4, rtol=1e-5)
+
+
+def test_quantized_target_module_matches_dequantized_hf():
+    model = tiny_model("llama", vocab=64, layers=2, seed=3)
+    tm = quantize_(TargetModule(model, S), "int8")
+    assert all(isinstance(getattr(b, n), Int8Weight) for b in tm.blocks for n in ("wqkv", "wo", "w_gate_up", "w_down"))
+    assert isinstance(tm.w_head, Int8Weight) and tm.embed_tokens.weight.dtype == torch.float32
+    ref = TargetModule(dequantized_hf(model), S)
+    T = 6
+    args = (torch.randint(0, 64, (1, T)), torch.arange(T).view(1, T), torch.arange(T), causal_mask(T, 0, S))
+    with torch.no_grad():
+        torch.testing.assert_close(tm(*args)[0], ref(*args)[0], atol=1e-4, rtol=1e-4)
+    # a quarter of the product weights' bytes (plus a scale per row)
+    fp = weight_bytes(TargetModule(model, S))
+    assert weight_bytes(tm) < 0.3 * fp + 64 * 64 * 4  # the embedding row and norms stay float
+
+
+@pytest.fixture(scope="module")
+def quant_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quant")
+    model = tiny_model("llama", vocab=64, layers=2, seed=0)
+    model.save_pretrained(root / "llama")
+    return root, model
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_int8_engine_is_lossless_to_the_quantized_target(quant_dir, tmp_path, backend):
+    root, model = quant_dir
+    path = specc.compile(root / "llama", drafter="ngram", tree="chain:3", backend=backend, quant="int8",
+                         output_dir=tmp_path / "e", max_len=64, prefill_chunk=8, progress=False, modes="greedy")
+    m = json.loads((path / "specc.json").read_text())
+    assert m["quant"]["target"] == "int8" and m["quant"]["drafter"] == "none"
+    fp32 = weight_bytes(TargetModule(model, 8))
+    assert m["quant"]["bytes_per_token"]["target"] < 0.35 * fp32 and m["quant"]["bytes_per_token"]["drafter"] == 0
+    engine = specc.load(path)
+    if backend == "inductor":  # the graphs take the int8 tensors (load quantized the stored float weights again)
+        keys = m["graphs"]["plain_greedy"]["state_keys"]
+        assert {"w_head.q", "w_head.scale", "blocks.1.w_down.q"} <= set(keys) and "w_head" not in keys
+    ref = dequantized_hf(model)
+    prompt = [3, 9, 4, 3, 9, 4, 3, 9]  # repeats, so prompt lookup drafts and the step graph verifies
+    spec = engine.generate(prompt, max_new_tokens=24, stop_at_eos=False)
+    assert spec.stats.steps < 24
+    assert spec.token_ids == hf_greedy(ref, prompt, 24)
+    plain = engine.generate(prompt, max_new_tokens=24, stop_at_eos=False, speculate=False)
+    assert plain.token_ids == spec.token_ids
+
+
+def test_int8_sampling_matches_the_quantized_target(tmp_path):
+    """The statistical test of tests/test_sampling.py on an int8 target (a float draft model): the
+    samples follow the quantized target's exact distribution."""
+    target = tiny_model("llama", vocab=V, layers=2, seed=0, scale=4.0)
+    target.save_pretrained(tmp_path / "target")
+    tiny_model("llama", vocab=V, layers=1, seed=1, scale=4.0).save_pretrained(tmp_path / "draft")
+    engine = specc.load(specc.compile(tmp_path / "target", drafter="draft-model", drafter_path=tmp_path / "draft",
+                                      tree="chain:3", quant="int8", output_dir=tmp_path / "e", max_len=32,
+                                      prefill_chunk=4, progress=False, modes="sample"))
+    samples, steps = [], 0
+    for seed in range(RUNS):
+        r = engine.generate(PROMPT, max_new_tokens=NEW, temperature=1.0, seed=seed, stop_at_eos=False)
+        samples.append(tuple(r.token_ids))
+        steps += r.stats.steps
+    assert steps < RUNS * (NEW - 1)
+    p = g_test(samples, exact_distribution(dequantized_hf(target), 1.0))
+    assert p > 1e-3, f"int8 speculative samples differ from the quantized target (p={p:.2e})"
+
+
+def gguf_blocks_for(model, fmt: str):
+    """GGUF blocks of `model`'s products in the target's layout (quantized by gguf-py, as llama.cpp's
+    tools do), with `model`'s weights set to what the blocks decode to (as transformers loads a file)."""
+    import gguf
+    import numpy as np
+
+    from specc.kernels.gguf_linear import dequantize, split_blocks
+
+    qtype = gguf.GGMLQuantizationType[fmt]
+
+    def blocks(lins):
+        parts = []
+        for lin in lins:
+            raw = torch.from_numpy(np.array(gguf.quants.quantize(lin.weight.detach().numpy(), qtype)))
+            qs, d, m = split_blocks(raw, fmt)
+            with torch.no_grad():
+                lin.weight.copy_(dequantize(qs, d, m, fmt))
+            parts.append(raw)
+        return (fmt, *split_blocks(torch.cat(parts), fmt))
+
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        a, mlp = layer.self_attn, layer.mlp
+        out[f"blocks.{i}.wqkv"] = blocks([a.q_proj, a.k_proj, a.v_proj])
+        out[f"blocks.{i}.wo"] = blocks([a.o_proj])
+        out[f"blocks.{i}.w_gate_up"] = blocks([mlp.gate_proj, mlp.up_proj])
+        out[f"blocks.{i}.w_down"] = blocks([mlp.down_proj])
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())  # untied, as a Q8_0 head
+    out["w_head"] = blocks([model.lm_head])
+    return GGUFBlocks(out)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q4_0", "Q8_0"])
+def test_gguf_target_module_computes_the_loaded_model(fmt):
+    """A TargetModule on GGUF blocks gives the float model's values (the blocks decode to its weights
+    exactly); blocks that decode to other weights are refused in one sentence."""
+    model = tiny_model("llama", vocab=64, layers=2, seed=5, hidden=64)
+    config = gguf_blocks_for(model, fmt)
+    tm = quantize_(TargetModule(model, S), config)
+    assert isinstance(tm.w_head, GGUFWeight) and tm.w_head.fmt == fmt
+    ref = TargetModule(model, S)
+    T = 5
+    args = (torch.randint(0, 64, (1, T)), torch.arange(T).view(1, T), torch.arange(T), causal_mask(T, 0, S))
+    with torch.no_grad():
+        torch.testing.assert_close(tm(*args)[0], ref(*args)[0], atol=1e-4, rtol=1e-4)
+    ratio = weight_bytes(tm) / weight_bytes(ref)
+    assert ratio < {"Q4_1": 0.2, "Q4_0": 0.2, "Q8_0": 0.3}[fmt], ratio
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] += 1e-3  # the float model no longer matches its blocks
+    with pytest.raises(SpeccError, match="the GGUF blocks of blocks.1.w_down do not decode to the weights"):
+        quantize_(TargetModule(model, S), config)
+
+
+def test_bad_quant_is_refused(tmp_path):
+    with pytest.raises(SpeccError, match="unknown --quant 'int3'; use one of none, int8, gguf"):
+        CompileConfig(output_dir=tmp_path / "e", quant="int3")
+    with pytest.raises(SpeccError, match="ONNX lowering of quantized weights is not built yet"):
+        CompileConfig(output_dir=tmp_path / "e", quant="int8", backend="onnx")
+    with pytest.raises(SpeccError, match="--quant gguf keeps a GGUF file's own blocks; give a .gguf model"):
+        CompileConfig(output_dir=tmp_path / "e", model=tmp_path, quant="gguf")
+    assert not (tmp_path / "e").exists()
