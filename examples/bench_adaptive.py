@@ -12,7 +12,7 @@ outputs are checked identical.
 
 Usage: python examples/bench_adaptive.py [--drafter ngram|dspark] [--block-size B] [--trees chain:4,chain:8]
            [--variants fixed,adaptive,adaptive+lookup]
-           [--backend inductor] [--limit 10] [--max-new-tokens 128] [--rounds 3] [--datasets humaneval,mt-bench]
+           [--backend inductor] [--quant none|int8|int4|gguf] [--limit 10] [--max-new-tokens 128] [--rounds 3] [--datasets humaneval,mt-bench]
            [--engines DIR] [--write BENCHMARKS.md] [--json]
 A tree may be a JSON file of paths (as for `specc compile --tree`).
 Compiled engines are reused by directory name (after changing the compiler, use a new --engines).
@@ -37,25 +37,26 @@ def tree_tag(tree: str) -> str:
 
 
 def engine_dir(root: Path, drafter: str, tree: str, backend: str, variant: str, progress: bool,
-               block_size: int | None) -> Path:
+               block_size: int | None, quant: str = "none") -> Path:
     """The engine of one variant: `fixed` or `adaptive`, ngram's with `+lookup` for prompt lookup alone
-    (no corpus table: --ngram-corpus none)."""
+    (no corpus table: --ngram-corpus none); `quant`: the target's --quant."""
     adaptive, lookup_only = variant.startswith("adaptive"), variant.endswith("+lookup")
-    out = root / f"{drafter}-{tree_tag(tree)}-{backend}{'-adaptive' if adaptive else ''}{'-lookup' if lookup_only else ''}"
+    out = root / (f"{drafter}-{tree_tag(tree)}-{backend}{'-adaptive' if adaptive else ''}{'-lookup' if lookup_only else ''}"
+                  f"{'' if quant == 'none' else '-' + quant}")
     if not (out / "specc.json").is_file():
         specc.compile(None, drafter=drafter, tree=tree, backend=backend, adaptive=adaptive, output_dir=out,
-                      max_len=1024, modes="greedy", progress=progress,
+                      max_len=1024, modes="greedy", progress=progress, quant=quant,
                       **({"block_size": block_size} if block_size else {}),
                       **({"ngram_corpus": "none"} if lookup_only else {}))
     return out
 
 
-def label(drafter: str, tree: str, variant: str) -> str:
+def label(drafter: str, tree: str, variant: str, quant: str = "none") -> str:
     words = [drafter, Path(tree).stem if tree.endswith(".json") else tree] + (
         ["adaptive"] if variant.startswith("adaptive") else [])
     if drafter == "ngram":
         words.append("(prompt lookup only)" if variant.endswith("+lookup") else "+ ShareGPT table")
-    return " ".join(words)
+    return " ".join(words + ([f"{quant} weights"] if quant != "none" else []))
 
 
 def graph_order(name: str) -> tuple:
@@ -73,6 +74,8 @@ def main() -> int:
     ap.add_argument("--variants", default="fixed,adaptive",
                     help="per tree: fixed, adaptive; ngram: +lookup for prompt lookup alone (no corpus table)")
     ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--quant", default="none",
+                    help="every engine's --quant (plain decoding runs through the first engine: the same weights)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--datasets", default="humaneval,mt-bench")
     ap.add_argument("--engines", default="engines/bench-adaptive")
@@ -88,8 +91,8 @@ def main() -> int:
         raise SystemExit("--variants takes fixed and adaptive, for ngram also fixed+lookup and adaptive+lookup.")
     for tree in trees:
         for variant in variants:
-            engines[label(a.drafter, tree, variant)] = specc.load(
-                engine_dir(Path(a.engines), a.drafter, tree, a.backend, variant, not a.json, a.block_size))
+            engines[label(a.drafter, tree, variant, a.quant)] = specc.load(
+                engine_dir(Path(a.engines), a.drafter, tree, a.backend, variant, not a.json, a.block_size, a.quant))
     plain_engine = next(iter(engines.values()))
     methods = ["plain"] + list(engines)
     model = plain_engine.manifest["target"]["name"]
@@ -132,7 +135,8 @@ def main() -> int:
             shown = ", ".join(f"{k}: {v}" for k, v in sorted(chosen[m].items(), key=lambda kv: graph_order(kv[0])))
             lines.append(f"| {m} | {t:.2f} | {med[m]:.2f} | {med[m] / med['plain']:.2f}x | {shown} | "
                          f"{identical[m]}/{len(ids)} |")
-            figures.append(benchfile.figure(benchfile.PLAIN if m == "plain" else f"{m} ({a.backend})", ds, model=model,
+            plain_label = benchfile.PLAIN + (f", {a.quant} weights ({a.backend})" if a.quant != "none" else "")
+            figures.append(benchfile.figure(plain_label if m == "plain" else f"{m} ({a.backend})", ds, model=model,
                                             tau=t if m != "plain" else None, tokens_per_s=med[m],
                                             vs_plain=med[m] / med["plain"], new_tokens=a.max_new_tokens,
                                             prompts=len(ids)))

@@ -42,7 +42,8 @@ def cmd_compile(a) -> int:
         print(json.dumps({"engine": str(out), "backend": a.backend, "drafter": manifest["drafter"],
                           "tree": manifest["tree"]["spec"], "tree_report": {k: v for k, v in manifest["tree"].items()
                                                                              if k not in ("parents", "depths")},
-                          "graphs": manifest["graphs"], "adaptive": manifest.get("adaptive")}))
+                          "graphs": manifest["graphs"], "adaptive": manifest.get("adaptive"),
+                          "quant": manifest.get("quant")}))
     else:
         print(f"compiled {manifest['target']['name']} with drafter {a.drafter}, tree {manifest['tree']['spec']} "
               f"({len(manifest['tree']['paths'])} nodes), backend {a.backend} on {manifest['device']} -> {out}")

@@ -1,7 +1,7 @@
 """Weight-only quantization of the target's linear layers: `quantize_(target, config)`.
 
 Decoding one token reads every weight once, so on both this CPU and a GPU its time is the weight
-bytes. Two formats:
+bytes. Three formats:
 
 * int8 (`Int8WeightOnly`): each [out, in] product weight as int8 with one float scale per output
   row (symmetric, round to nearest: w ~= q * scale[out]), a quarter of float32's bytes. The product
@@ -10,6 +10,9 @@ bytes. Two formats:
   (Inductor fuses the cast into the loop); larger products (prefill chunks) cast and call the GEMM.
   Quantization is a pure function of the float weights, so an engine stores its target's float
   weights and `specc.load` quantizes them again to the very same tensors.
+* int4 (`Int4WeightOnly`): blocks of 32 weights along the input, each with a float16 scale and
+  minimum, 4-bit codes (0.625 bytes per weight): GGUF's Q4_1 layout, so it runs on gguf's product.
+  Quantized again at load from the stored float weights, as int8.
 * gguf (`GGUFBlocks`): the blocks a GGUF file stores (Q8_0, Q4_0, Q4_1), kept as they are and
   decoded inside the product (specc::gguf_linear, kernels/gguf_linear.py). They decode bit for bit
   to the float weights transformers loads from the file (checked when an engine is built), so such
@@ -36,7 +39,7 @@ from torch import nn
 
 from .errors import SpeccError
 
-QUANTS = ("none", "int8", "gguf")
+QUANTS = ("none", "int8", "int4", "gguf")
 GGUF_FILE = "gguf_blocks.safetensors"  # an engine's copy of its target's GGUF blocks (in target/)
 
 
@@ -44,6 +47,13 @@ GGUF_FILE = "gguf_blocks.safetensors"  # an engine's copy of its target's GGUF b
 class Int8WeightOnly:
     """int8 weights, one float32 scale per output row (symmetric, round to nearest, q in [-127, 127])."""
     name: str = "int8"
+
+
+@dataclass(frozen=True)
+class Int4WeightOnly:
+    """4-bit weights in blocks of 32 along the input, each with a float16 scale and minimum (w ~= d * q
+    + m, q in 0..15, round to nearest): GGUF's Q4_1 layout, so it runs on the same product."""
+    name: str = "int4"
 
 
 @dataclass(frozen=True)
@@ -114,6 +124,24 @@ class GGUFWeight(nn.Module):
         return dequantize(self.qs, self.d, self.m, self.fmt)
 
 
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] (K a multiple of 32) -> Q4_1 blocks (qs [N, K/32, 16] uint8, d and m [N, K/32] float16):
+    per block m = min, d = (max - min) / 15, both rounded to float16 first and the codes chosen
+    against the rounded values, so each weight is within d/2 of its code's value."""
+    N, K = weight.shape
+    if K % 32:
+        raise SpeccError(f"--quant int4 needs input sizes that are multiples of 32; a product has {K}.")
+    w = weight.detach().float().reshape(N, K // 32, 32)
+    lo, hi = w.amin(-1), w.amax(-1)
+    m = lo.to(torch.float16)
+    d = ((hi - m.float()) / 15).to(torch.float16)
+    d32 = d.float()[..., None]
+    q = torch.where(d32 > 0, torch.round((w - m.float()[..., None]) / torch.where(d32 > 0, d32, 1)), 0).clamp(0, 15)
+    q = q.to(torch.uint8)
+    qs = q[..., :16] | (q[..., 16:] << 4)  # values 0..15 in the low nibbles, 16..31 in the high ones
+    return qs.contiguous(), d.contiguous(), m.contiguous()
+
+
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for a float weight or a quantized one (a module that computes the product)."""
     if isinstance(weight, torch.Tensor):
@@ -128,13 +156,16 @@ PRODUCTS = ("wqkv", "wo", "w_gate_up", "w_down")
 def quantize_(target: nn.Module, config) -> nn.Module:
     """Replace the target's product weights (each block's fused q/k/v, output, fused gate/up and
     down projections, and the LM head) by quantized ones, in place; returns the target. The
-    embedding table stays float: a token reads one row of it. `config`: Int8WeightOnly, or None /
-    "none" for no change."""
+    embedding table stays float: a token reads one row of it. `config`: Int8WeightOnly,
+    Int4WeightOnly, GGUFBlocks, their names ("int8", "int4"), or None / "none" for no change."""
     if config is None or config == "none":
         return target
-    if config == "int8":
-        config = Int8WeightOnly()
-    if not isinstance(config, (Int8WeightOnly, GGUFBlocks)):
+    if isinstance(config, str):
+        made = {"int8": Int8WeightOnly, "int4": Int4WeightOnly}.get(check_quant(config))
+        if made is None:
+            raise SpeccError("gguf quantization takes the file's blocks (read_gguf_blocks), not a name.")
+        config = made()
+    if not isinstance(config, (Int8WeightOnly, Int4WeightOnly, GGUFBlocks)):
         raise SpeccError(f"unsupported quantization config {config!r}.")
     owners = [(f"blocks.{i}.{name}", block, name) for i, block in enumerate(target.blocks) for name in PRODUCTS]
     for full, owner, name in owners + [("w_head", target, "w_head")]:
@@ -143,6 +174,8 @@ def quantize_(target: nn.Module, config) -> nn.Module:
             continue
         if isinstance(config, Int8WeightOnly):
             new = Int8Weight(w)
+        elif isinstance(config, Int4WeightOnly):
+            new = GGUFWeight("Q4_1", *quantize_int4(w))
         elif full in config.blocks:
             new = GGUFWeight(*config.blocks[full])
             check_blocks(full, new, w)
@@ -204,7 +237,7 @@ def read_gguf_blocks(path, config) -> GGUFBlocks:
                 for i in range(config.num_hidden_layers) for p, parts in GGUF_PARTS.items()]
     products.append(("w_head", ["output.weight" if "output.weight" in tensors else "token_embd.weight"]))
     for product, names in products:
-        parts = [rows(n, heads.get(n.split(".")[2])) for n in names]
+        parts = [rows(n, heads.get(n.split(".")[-2])) for n in names]
         if any(p is None for p in parts):
             if not all(p is None for p in parts):
                 raise SpeccError(f"--quant gguf needs {' / '.join(names)} in one block format; {path} mixes float "

@@ -12,7 +12,8 @@ from torch import nn
 import specc
 from specc.config import CompileConfig
 from specc.errors import SpeccError
-from specc.quant import GGUFBlocks, GGUFWeight, Int8Weight, quantize_, quantize_int8, weight_bytes
+from specc.quant import (GGUFBlocks, GGUFWeight, Int8Weight, quantize_, quantize_int4, quantize_int8,
+                         weight_bytes)
 from specc.target_module import TargetModule, causal_mask
 from test_engine import hf_greedy
 from test_sampling import NEW, PROMPT, RUNS, V, exact_distribution, g_test
@@ -21,18 +22,25 @@ from tiny import tiny_model
 S = 40
 
 
-def dequantized_hf(model):
-    """The float model that an int8 engine computes: a copy of `model` whose product weights are
-    their int8 round trips (the LM head untied from the embedding, which stays float)."""
+def round_trip(w: torch.Tensor, quant: str) -> torch.Tensor:
+    if quant == "int8":
+        q, s = quantize_int8(w)
+        return q.float() * s[:, None]
+    from specc.kernels.gguf_linear import dequantize
+
+    return dequantize(*quantize_int4(w), "Q4_1")
+
+
+def dequantized_hf(model, quant: str = "int8"):
+    """The float model that a quantized engine computes: a copy of `model` whose product weights are
+    their round trips (the LM head untied from the embedding, which stays float)."""
     m = copy.deepcopy(model)
     with torch.no_grad():
         for layer in m.model.layers:
             for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
                         layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-                q, s = quantize_int8(lin.weight)
-                lin.weight = nn.Parameter(q.float() * s[:, None])
-        q, s = quantize_int8(m.lm_head.weight)
-        m.lm_head.weight = nn.Parameter(q.float() * s[:, None])
+                lin.weight = nn.Parameter(round_trip(lin.weight, quant))
+        m.lm_head.weight = nn.Parameter(round_trip(m.lm_head.weight, quant))
     return m
 
 
@@ -47,6 +55,16 @@ def test_int8_round_trip_and_edge_rows():
     assert torch.equal(q[3], torch.zeros(33, dtype=torch.int8)) and s[3] == 1
     x = torch.randn(5, 33)
     torch.testing.assert_close(Int8Weight(w)(x), x @ (q.float() * s[:, None]).T, atol=1e-4, rtol=1e-5)
+
+
+def test_int4_round_trip():
+    w = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)) * 3
+    w[2, :32] = 0.7  # a constant block: d = 0, every code 0, the value is m
+    qs, d, m = quantize_int4(w)
+    assert qs.shape == (5, 2, 16) and d.dtype == m.dtype == torch.float16
+    err = (round_trip(w, "int4") - w).abs().reshape(5, 2, 32)
+    assert torch.all(err <= d.float()[..., None] / 2 + 1e-3 * w.abs().max())  # + float16 rounding of m
+    assert torch.all(round_trip(w, "int4")[2, :32] == m[2, 0].float())
 
 
 def test_quantized_target_module_matches_dequantized_hf():
@@ -72,20 +90,25 @@ def quant_dir(tmp_path_factory):
     return root, model
 
 
-@pytest.mark.parametrize("backend", ["eager", "inductor"])
-def test_int8_engine_is_lossless_to_the_quantized_target(quant_dir, tmp_path, backend):
+# Suite time: int8 through Inductor runs in examples/bench_quant.py (and int4 here covers the
+# quantized graphs through AOTInductor).
+@pytest.mark.parametrize("quant,backend", [("int8", "eager"), ("int4", "inductor")])
+def test_quantized_engine_is_lossless_to_the_quantized_target(quant_dir, tmp_path, quant, backend):
+    """Speculative greedy == the engine's own plain decoding == HF on the dequantized weights; for
+    int4 on Inductor, specc::gguf_linear inside every compiled graph."""
     root, model = quant_dir
-    path = specc.compile(root / "llama", drafter="ngram", tree="chain:3", backend=backend, quant="int8",
+    path = specc.compile(root / "llama", drafter="ngram", tree="chain:3", backend=backend, quant=quant,
                          output_dir=tmp_path / "e", max_len=64, prefill_chunk=8, progress=False, modes="greedy")
     m = json.loads((path / "specc.json").read_text())
-    assert m["quant"]["target"] == "int8" and m["quant"]["drafter"] == "none"
+    assert m["quant"]["target"] == quant and m["quant"]["drafter"] == "none"
     fp32 = weight_bytes(TargetModule(model, 8))
     assert m["quant"]["bytes_per_token"]["target"] < 0.35 * fp32 and m["quant"]["bytes_per_token"]["drafter"] == 0
     engine = specc.load(path)
-    if backend == "inductor":  # the graphs take the int8 tensors (load quantized the stored float weights again)
-        keys = m["graphs"]["plain_greedy"]["state_keys"]
-        assert {"w_head.q", "w_head.scale", "blocks.1.w_down.q"} <= set(keys) and "w_head" not in keys
-    ref = dequantized_hf(model)
+    if backend == "inductor":  # the graphs take the quantized tensors (load quantized the stored float weights again)
+        keys = set(m["graphs"]["plain_greedy"]["state_keys"])
+        want = {"w_head.q", "w_head.scale", "blocks.1.w_down.q"} if quant == "int8" else {"w_head.qs", "blocks.1.w_down.d"}
+        assert want <= keys and "w_head" not in keys
+    ref = dequantized_hf(model, quant)
     prompt = [3, 9, 4, 3, 9, 4, 3, 9]  # repeats, so prompt lookup drafts and the step graph verifies
     spec = engine.generate(prompt, max_new_tokens=24, stop_at_eos=False)
     assert spec.stats.steps < 24
@@ -167,7 +190,7 @@ def test_gguf_target_module_computes_the_loaded_model(fmt):
 
 
 def test_bad_quant_is_refused(tmp_path):
-    with pytest.raises(SpeccError, match="unknown --quant 'int3'; use one of none, int8, gguf"):
+    with pytest.raises(SpeccError, match="unknown --quant 'int3'; use one of none, int8, int4, gguf"):
         CompileConfig(output_dir=tmp_path / "e", quant="int3")
     with pytest.raises(SpeccError, match="ONNX lowering of quantized weights is not built yet"):
         CompileConfig(output_dir=tmp_path / "e", quant="int8", backend="onnx")
