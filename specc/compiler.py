@@ -32,7 +32,7 @@ from .hybrid import branch_entry, with_ngram_branch
 from .models import default_gguf, load_model, parse_dtype, sha256_file
 from .pipeline import example_inputs
 from .plans import build_program, graph_plans
-from .quant import GGUF_FILE, load_blocks, quantize_, read_gguf_blocks, save_blocks, weight_bytes
+from .quant import FLOAT, GGUF_FILE, load_blocks, quantize_, read_gguf_blocks, save_blocks, weight_bytes
 from .runtime import Engine
 from .signature import SampledChildren
 from .target_module import TargetModule, module_state, sliding_window_limit
@@ -61,7 +61,7 @@ class EngineModules:
 
 
 def build_modules(kind, target_hf, weights, entry: dict, tree: Tree, cache_len: int,
-                  quant="none") -> EngineModules:
+                  quant=FLOAT) -> EngineModules:
     """The one builder that compile and load share: from the drafter kind, its weights and its manifest
     entry. `quant`: the target's weight quantization (a name or a config), applied once the drafter has taken the float
     tensors it shares with the target (specc/quant.py)."""
@@ -250,7 +250,7 @@ def write_manifest(stage: Path, cfg: CompileConfig, target, modules: EngineModul
         "modes": list(cfg.modes), "max_len": cfg.max_len, "prefill_chunk": cfg.prefill_chunk, "cache_len": cache_len,
         "graphs": graphs,
         # what each decoded token reads: the target's weights (quantized or not) and the drafter's own
-        "quant": {"target": cfg.quant, "drafter": "none", "bytes_per_token": {
+        "quant": {"target": cfg.quant, "drafter": FLOAT, "bytes_per_token": {
             "target": weight_bytes(modules.target), "drafter": weight_bytes(modules.draft, shared=modules.target)}},
         **({"adaptive": {"sizes": adaptive.family_sizes(tree)}} if cfg.adaptive else {}),
         **({"tensorrt": trt} if trt is not None else {}),
@@ -356,7 +356,7 @@ def load(path, check_hashes: bool = True, device: str | None = None, cuda_graphs
     entry, tree = manifest["drafter"], tree_from_paths(manifest["tree"]["paths"])
     kind, cache_len, chunk = get_kind(entry["kind"]), manifest["cache_len"], manifest["prefill_chunk"]
     weights = kind.load_saved(path / "draft", entry, model, dtype)
-    quant = manifest.get("quant", {}).get("target", "none")
+    quant = manifest.get("quant", {}).get("target", FLOAT)
     if quant == "gguf":
         quant = load_blocks(path / "target" / GGUF_FILE)
     modules = build_modules(kind, model, weights, entry, tree, cache_len, quant)

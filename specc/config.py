@@ -15,7 +15,7 @@ from .backends import check_backend, check_device
 from .drafters import get_kind, kinds_with
 from .errors import SpeccError
 from .models import parse_dtype
-from .quant import check_quant
+from .quant import FLOAT, check_quant
 from .signature import MODES
 from .tree import MAX_TREE_NODES, Tree, chain, is_measured, parse_tree
 
@@ -115,7 +115,7 @@ class CompileConfig:
                              "embedded SmolLM2 GGUF), or use --quant int8.")
         if self.quant == "gguf" and self.torch_dtype != torch.float32:
             raise SpeccError("--quant gguf computes in float32 (the activations of its products); use --dtype float32.")
-        if self.quant != "none" and self.backend in ("onnx", "tensorrt"):
+        if self.quant != FLOAT and self.backend in ("onnx", "tensorrt"):
             raise SpeccError(f"--quant {self.quant} runs on the eager and inductor backends; the ONNX lowering of "
                              f"quantized weights is not built yet.")
         kind.check(self)

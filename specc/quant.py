@@ -40,6 +40,7 @@ from torch import nn
 from .errors import SpeccError
 
 QUANTS = ("none", "int8", "int4", "gguf")
+FLOAT = QUANTS[0]  # no quantization: the weights as loaded
 GGUF_FILE = "gguf_blocks.safetensors"  # an engine's copy of its target's GGUF blocks (in target/)
 
 
@@ -158,7 +159,7 @@ def quantize_(target: nn.Module, config) -> nn.Module:
     down projections, and the LM head) by quantized ones, in place; returns the target. The
     embedding table stays float: a token reads one row of it. `config`: Int8WeightOnly,
     Int4WeightOnly, GGUFBlocks, their names ("int8", "int4"), or None / "none" for no change."""
-    if config is None or config == "none":
+    if config is None or config == FLOAT:
         return target
     if isinstance(config, str):
         made = {"int8": Int8WeightOnly, "int4": Int4WeightOnly}.get(check_quant(config))

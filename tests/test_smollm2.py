@@ -147,20 +147,19 @@ if __name__ == "__main__":  # record the HF references (minutes): python tests/t
 def test_gguf_engine_keeps_the_files_blocks(reference, tmp_path):
     """--quant gguf on the embedded Q4_1 file: the engine keeps the file's own blocks (Q4_1 products,
     the tied Q8_0 embedding as LM head), which decode to exactly the weights HF loads from it, so the
-    engine gives HF's tokens. Eager and 32 tokens of one prompt (suite time): its Inductor graphs
-    run in examples/bench_quant.py and examples/llama_cpp_compare.py, which compare tokens too."""
+    engine gives HF's tokens. A plain eager engine and 8 tokens of one prompt (suite time: eager runs
+    the op's reference, about 2 s a token here): its Inductor graphs run in examples/bench_quant.py
+    and examples/llama_cpp_compare.py, which compare tokens too, and tests/test_quant.py runs a
+    speculative int4 engine (the same product) through Inductor."""
     from specc.quant import GGUF_FILE, load_blocks
 
-    path = specc.compile(None, drafter="ngram", tree="chain:3", backend="eager", quant="gguf",
-                         output_dir=tmp_path / "engine", max_len=512, progress=False, modes="greedy")
+    path = specc.compile(None, backend="eager", quant="gguf", output_dir=tmp_path / "engine", max_len=512,
+                         progress=False, modes="greedy")
     m = json.loads((path / "specc.json").read_text())
     blocks = load_blocks(path / "target" / GGUF_FILE).blocks
     assert {fmt for name, (fmt, *_) in blocks.items() if name != "w_head"} == {"Q4_1"} and blocks["w_head"][0] == "Q8_0"
     assert len(blocks) == 30 * 4 + 1
     per_token = m["quant"]["bytes_per_token"]["target"]
     assert 90e6 < per_token < 100e6, per_token  # 0.625 bytes per Q4_1 weight, 1.0625 per Q8_0 (fp32: 540 MB)
-    engine = specc.load(path)
     ids, expected = reference()[0]
-    res = engine.generate(ids, max_new_tokens=32)
-    assert res.token_ids == expected[:32]
-    assert res.stats.steps < 31  # prompt lookup drafted, the step graph verified
+    assert specc.load(path).generate(ids, max_new_tokens=8).token_ids == expected[:8]
