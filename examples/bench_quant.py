@@ -26,6 +26,7 @@ import torch
 import specc
 from specc import benchfile
 from specc.data import load_prompts
+from specc.errors import SpeccError
 from specc.models import quiet_libraries
 
 
@@ -115,4 +116,8 @@ def main() -> int:
 
 if __name__ == "__main__":
     quiet_libraries()
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except SpeccError as e:  # a bad --quants value, say
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

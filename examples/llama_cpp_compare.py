@@ -129,3 +129,6 @@ if __name__ == "__main__":
     except SpeccError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except subprocess.CalledProcessError as e:  # the download or the cmake build of llama.cpp
+        print(f"error: {' '.join(map(str, e.cmd[:3]))} ... failed with exit code {e.returncode}.", file=sys.stderr)
+        sys.exit(2)

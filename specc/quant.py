@@ -218,7 +218,9 @@ def read_gguf_blocks(path, config) -> GGUFBlocks:
     tensors = {t.name: t for t in reader.tensors}
 
     def rows(name: str, heads: int | None):
-        t = tensors[name]
+        t = tensors.get(name)
+        if t is None:
+            raise SpeccError(f"{path} has no tensor {name}, which --quant gguf reads for a llama model.")
         kind = t.tensor_type.name
         if kind in ("F32", "F16", "BF16"):
             return None
