@@ -25,13 +25,26 @@ generator, so the kernels are tested on CPU under ``TRITON_INTERPRET=1`` against
 (tests/test_kernels.py).
 
 The folder is top-level (kernels/, beside passes/) and installed as specc.kernels. Run from the
-repository root, Python also finds it as a top-level ``kernels``, the name of a Hugging Face
-package that transformers probes for: imported under that name it defines nothing (below), and the
-tests run without the root on sys.path (tests/test_layout.py checks both).
+repository root, Python also finds it first as a top-level ``kernels``, the name of a Hugging Face
+package that transformers (>= 5.25) depends on and imports: imported under that name this file
+loads that package in its own place when it is installed, and otherwise defines nothing (below).
+The tests run without the root on sys.path; tests/test_layout.py checks both ways.
 """
 from __future__ import annotations
 
-if __name__ != "specc.kernels":  # found as a top-level `kernels` from the repository root: stay inert
+if __name__ != "specc.kernels":  # found as a top-level `kernels` from the repository root
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    _root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    _elsewhere = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != _root]
+    _spec = importlib.machinery.PathFinder.find_spec(__name__, _elsewhere)
+    if _spec is not None and _spec.loader is not None:  # Hugging Face's package: become it
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules[__name__] = _module  # the import statement returns what sys.modules holds
+        _spec.loader.exec_module(_module)
     __all__: list[str] = []
 else:
     from .compact_kv import compact_kv_reference, compact_kv_triton

@@ -53,14 +53,22 @@ def imports(name: str, path: Path) -> list[tuple[str, list[str]]]:
 
 def test_repository_root_does_not_shadow_hf_kernels():
     """From the repository root (where a top-level `kernels` folder is found on sys.path) transformers
-    still sees no hub-kernels package, and specc.kernels registers its ops once."""
-    code = ("import importlib.util, transformers, torch; "
+    still imports and runs a model, `import kernels` is Hugging Face's package wherever that is
+    installed (transformers >= 5.25 depends on it and imports it), and specc.kernels registers its ops."""
+    code = ("import importlib.machinery, os, transformers, torch; "
             "from transformers.utils.import_utils import is_kernels_available; "
+            "from transformers import LlamaConfig, LlamaForCausalLM; "
+            "c = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, "
+            "num_attention_heads=2, num_key_value_heads=1); "
+            "assert LlamaForCausalLM(c)(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 64); "
             "import specc.kernels, specc.acceptance; "
-            "assert not is_kernels_available(); "
             "assert torch.ops.specc.tree_accept_greedy is not None; "
-            "spec = importlib.util.find_spec('kernels'); "
-            "print('shadowed' if spec is not None else 'clean')")
+            "import kernels; "
+            "ours = os.path.realpath(kernels.__file__) == os.path.realpath('kernels/__init__.py'); "
+            "assert not (ours and is_kernels_available()); "
+            "spec = importlib.machinery.PathFinder.find_spec('kernels'); "
+            "print('shadowed' if spec is not None and os.path.realpath(spec.origin) == "
+            "os.path.realpath('kernels/__init__.py') else 'clean')")
     for flags in ([], ["-P"]):  # -P: the root is not put on sys.path (how the tests run)
         proc = subprocess.run([sys.executable, *flags, "-c", code], cwd=ROOT, capture_output=True, text=True,
                               timeout=300)
