@@ -18,6 +18,7 @@ from torch import nn
 from specc.passes.accept import accept
 from specc.passes.compact_kv import compact_kv
 from specc.passes.fuse_step import fuse_step
+from specc.passes.last_row_head import last_row_head
 from specc.passes.matvec import matvec
 from specc.passes.sample_last import sample_last
 from specc.passes.tree_attention import tree_attention
@@ -58,9 +59,11 @@ def prefill_plans(name: str, module: str, chunk: int, cache_len: int, backend: s
     """A static chunk of prompt tokens -> the next token, one graph per mode over one shared capture."""
     base = GraphPlan(name, module, chunk, start(backend).wrap("tree_inputs",
                                                                lambda p: tree_inputs(p, chain(chunk - 1), cache_len)))
-    return [GraphPlan(graph_name(name, m), module, chunk,
-                      Pipeline().wrap("sample_last", partial(sample_last, mode=m, table=table)), mode=m, base=base)
-            for m in modes]
+    def last(m: str) -> Pipeline:
+        p = Pipeline().wrap("sample_last", partial(sample_last, mode=m, table=table)).add("last_row_head", last_row_head)
+        return p.add("matvec", matvec) if backend == "inductor" else p  # the head is one row now
+
+    return [GraphPlan(graph_name(name, m), module, chunk, last(m), mode=m, base=base) for m in modes]
 
 
 def decode_plans(name: str, module: str, tree: Tree, cache_len: int, backend: str, modes,

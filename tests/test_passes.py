@@ -273,10 +273,14 @@ def test_compact_kv_is_identity_on_chains(model):
 def prefill_program(model):
     plans = [p for p in graph_plans(get_kind("none"), chain(0), 8, S, modes=("greedy", "sample"))
              if p.name.startswith("prefill_")]
-    assert [p.T for p in plans] == [8, 8] and plans[0].passes == ["tree_inputs", "sample_last"]
+    assert [p.T for p in plans] == [8, 8] and plans[0].passes == ["tree_inputs", "sample_last", "last_row_head"]
     tm = TargetModule(model, S)
     built = {}
-    graphs = [EagerGraph(build_program(p, {"target": tm}, built, chain(0)), module_state(tm)) for p in plans]
+    programs = [build_program(p, {"target": tm}, built, chain(0)) for p in plans]
+    for ep in programs:  # last_row_head: the LM head's product runs on one row
+        assert [product_rows(n) for n in linears(ep)][-1] == 1
+        assert max(product_rows(n) for n in linears(ep)) == 8
+    graphs = [EagerGraph(ep, module_state(tm)) for ep in programs]
 
     def graph(tokens, base_len, n_valid, temperature, top_p, uniforms):  # top_p 1 here: greedy or sample
         if float(temperature) == 0:
@@ -286,6 +290,14 @@ def prefill_program(model):
         return graphs[1](tokens, base_len, n_valid, temperature, table)
 
     return tm, graph
+
+
+def linears(ep) -> list:
+    return [n for n in ep.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.linear.default]
+
+
+def product_rows(node) -> int:
+    return node.args[0].meta["val"].shape[:-1].numel()
 
 
 @pytest.mark.parametrize("length", [1, 5, 8, 13])
@@ -343,6 +355,43 @@ def test_matvec_rewrites_few_row_linears_only(arch, T):
     # The program still lowers through the graph's own rewrite and retrace path.
     again = capture(ep.module(), args)
     torch.testing.assert_close(again.module()(*[a.clone() for a in args])[0], ref, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- last_row_head
+
+
+class HeadThenRow(nn.Module):
+    """A chunk's head (int8-style: a cast weight, a scale after the product) and one row of it."""
+
+    def __init__(self, also_return_all: bool = False):
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        self.register_buffer("q", torch.randint(-127, 128, (V, 16), generator=g, dtype=torch.int8))
+        self.register_buffer("scale", torch.rand(V, generator=g))
+        self.also_return_all = also_return_all
+
+    def forward(self, x, n_valid):
+        logits = (nn.functional.linear(x, self.q.to(x.dtype)) * self.scale).float()
+        last = logits[0].index_select(0, (n_valid - 1).view(1))
+        return (last, logits) if self.also_return_all else (last,)
+
+
+@pytest.mark.parametrize("also_return_all", [False, True])
+@torch.no_grad()
+def test_last_row_head_runs_the_product_on_the_selected_row(also_return_all):
+    from specc.passes.last_row_head import last_row_head
+
+    mod = HeadThenRow(also_return_all)
+    x = torch.randn(1, 12, 16)
+    ep = last_row_head(capture(mod, (x, torch.tensor(12))))
+    # Where all rows are returned too, the product must stay whole.
+    assert product_rows(linears(ep)[0]) == (12 if also_return_all else 1)
+    for n in range(1, 13):
+        out, ref = ep.module()(x, torch.tensor(n)), mod(x, torch.tensor(n))
+        assert len(out) == len(ref)
+        for a, b in zip(out, ref):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-3)  # a GEMV and a GEMM sum in different orders
 
 
 # --------------------------------------------------------------------------- Pipeline
