@@ -15,6 +15,7 @@ import operator
 import torch
 
 import specc.kernels  # noqa: F401  (registers torch.ops.specc.*)
+from specc.passes.tree_attention import tree_attention
 
 aten = torch.ops.aten
 
@@ -24,7 +25,12 @@ def attend_prefix(ep: torch.export.ExportedProgram) -> torch.export.ExportedProg
     k[:, :, :n], v[:, :, :n] and mask[..., :n] with n = kv_len as an integer, asserted in [1, S]
     (one n per kv_len node, shared by all layers). The keys dropped are exactly those the mask hides
     (tree_attention's contract for kv_len), so the values equal the op's CPU reference up to the
-    order of the float sums. Calls without kv_len and the signature are unchanged."""
+    order of the float sums. Calls without kv_len and the signature are unchanged.
+
+    Plain SDPA calls over a cache just written (a prefill chunk's, which its plan leaves as SDPA for
+    every backend) first become the op with kv_len = 1 + the last slot written (`tree_attention`),
+    so a chunk attends over the prompt so far, not the whole cache."""
+    ep = tree_attention(ep)
     g = ep.graph_module.graph
     lengths: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in list(g.nodes):

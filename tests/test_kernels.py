@@ -513,18 +513,21 @@ def test_tree_attention_pass_replaces_sdpa_and_keeps_values(arch, heads, kv):
     assert count(again, lambda t: t is ops.tree_attention.default) == n_layers
 
 
-def test_attend_prefix_slices_the_cache_and_keeps_values(tmp_path):
+@pytest.mark.parametrize("T,op", [(3, True), (8, False)])  # a step's op; a prefill chunk's plain SDPA
+def test_attend_prefix_slices_the_cache_and_keeps_values(tmp_path, T, op):
     """The CPU lowering pass: each attention reads keys [0, kv_len) only (K, V and mask sliced to one
     unbacked length for all layers), with the values of the whole-cache op, in eager and compiled by
-    AOTInductor, while the slots past kv_len hold garbage (the mask hides them)."""
+    AOTInductor, while the slots past kv_len hold garbage (the mask hides them). Plain SDPA over a
+    just-written cache (prefill's) is sliced the same way."""
     from specc.passes.attend_prefix import attend_prefix
 
     model = tiny_model("llama", seed=4, heads=4, kv_heads=2)
-    T, n_layers = 3, model.config.num_hidden_layers
+    n_layers = model.config.num_hidden_layers
     args = (torch.randint(0, 64, (1, T), generator=gen(0)), (torch.arange(T) + 5).view(1, T), torch.arange(T) + 5,
             causal_mask(T, 5, S))
     ref = tree_attention(capture(TargetModule(model, S), args))
-    ep = attend_prefix(tree_attention(capture(TargetModule(model, S), args)))
+    captured = capture(TargetModule(model, S), args)
+    ep = attend_prefix(tree_attention(captured) if op else captured)
     assert count(ep, lambda t: t is ops.tree_attention.default) == 0
     attn = [n for n in ep.graph.nodes if n.op == "call_function" and n.target is SDPA]
     assert len(attn) == n_layers
