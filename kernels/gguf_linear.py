@@ -16,8 +16,9 @@ values transformers loads a GGUF model with, so a `--quant gguf` engine computes
 that a plain load of the same file gives, up to the order of the float sums. For a few rows it is a
 reduction over (block, value) whose loads are all affine in the two loop indices: Inductor compiles
 it for CPU into one vectorised loop that reads the packed codes and converts them in registers (one
-16-lane vector is one half-block), for every row at once. For more rows (prefill chunks) it
-dequantises the weight and calls the GEMM. The Triton kernel (CUDA; CPU tests under
+16-lane vector is one half-block), for every row at once; that loop converts each code on its own
+and is compute-bound, so on CPU the op runs gguf_cpu.cpp's product instead where it builds (same
+weights, ~2x faster). For more rows (prefill chunks) it dequantises the weight and calls the GEMM. The Triton kernel (CUDA; CPU tests under
 TRITON_INTERPRET=1) has one program per (row, block of outputs) and walks the blocks of K.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .gguf_cpu import load_cpu_kernel
 from .triton_support import require_triton, tl, triton, wrap_triton
 
 FORMATS = ("Q8_0", "Q4_0", "Q4_1")
@@ -140,8 +142,12 @@ def gguf_linear_triton(x: Tensor, qs: Tensor, d: Tensor, m: Tensor, fmt: str, bl
 @torch.library.triton_op("specc::gguf_linear", mutates_args=())
 def gguf_linear(x: Tensor, qs: Tensor, d: Tensor, m: Tensor, fmt: str) -> Tensor:
     """x @ W^T for a GGUF block-quantized W (qs, d, m; see the module docstring). A `triton_op`:
-    export keeps it as one node; Inductor traces into this body (the Triton kernel on CUDA, the
-    reference compiled natively on CPU)."""
-    if x.device.type == "cuda" and triton is not None and x.reshape(-1, x.shape[-1]).shape[0] <= MAX_ROWS:
+    export keeps it as one node; Inductor traces into this body (the Triton kernel on CUDA; on CPU the
+    hand-written product of gguf_cpu.cpp for a few rows where it builds, else the reference compiled
+    natively)."""
+    few = x.reshape(-1, x.shape[-1]).shape[0] <= MAX_ROWS
+    if x.device.type == "cuda" and triton is not None and few:
         return gguf_linear_triton(x, qs, d, m, fmt)
+    if x.device.type == "cpu" and x.dtype == torch.float32 and few and load_cpu_kernel():
+        return torch.ops.specc_cpu.gguf_matvec(x, qs, d, m, FORMATS.index(fmt))
     return gguf_linear_reference(x, qs, d, m, fmt)

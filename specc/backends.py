@@ -147,9 +147,12 @@ def kernel_sources() -> str:
     """The specc ops are triton_ops whose bodies Inductor inlines (the acceptance rules' entry points
     in acceptance.py pick them): their source is part of the compiled code."""
     import specc.kernels
+    from specc.kernels.gguf_cpu import load_cpu_kernel
 
-    files = sorted(Path(specc.kernels.__file__).parent.glob("*.py")) + [Path(__file__).parent / "acceptance.py"]
-    return "".join(p.read_text() for p in files)
+    folder = Path(specc.kernels.__file__).parent
+    files = sorted(folder.glob("*.py")) + sorted(folder.glob("*.cpp")) + [Path(__file__).parent / "acceptance.py"]
+    # whether gguf_linear's CPU body calls the C++ product or the reference decides the compiled code
+    return "".join(p.read_text() for p in files) + f"cpu_kernel={load_cpu_kernel()}"
 
 
 # Inductor keeps a fused bf16/fp16 chain in float32 and rounds once at the store, so a graph's

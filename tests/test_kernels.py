@@ -642,11 +642,39 @@ def test_gguf_linear_triton_matches_reference(interpreted, fmt):
                                atol=1e-4, rtol=1e-5)
 
 
-def test_gguf_linear_compiles_to_native_cpu_code(tmp_path):
-    """Exported as one node; AOTInductor compiles its body (no call back into Python) to the same values."""
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_cpu_product_matches_the_weights(fmt):
+    """gguf_cpu.cpp's product (built here: this machine has Inductor's compiler) against the float64
+    product with gguf-py's weights, for 1..16 rows (groups of 4 and the rest) and odd output counts;
+    a weight that does not fit x is refused."""
+    from specc.kernels.gguf_cpu import load_cpu_kernel, load_error
+    from specc.kernels.gguf_linear import FORMATS, split_blocks
+
+    assert load_cpu_kernel(), load_error()
+    raw, want = gguf_weight(fmt, N=37, K=96, seed=7)
+    qs, d, m = split_blocks(raw, fmt)
+    code = FORMATS.index(fmt)
+    for rows in (1, 2, 3, 4, 5, 7, 16):
+        x = torch.randn(1, rows, 96, generator=gen(rows))
+        out = torch.ops.specc_cpu.gguf_matvec(x, qs, d, m, code)
+        assert out.shape == (1, rows, 37)
+        torch.testing.assert_close(out.double(), x.double() @ want.double().T, atol=2e-5, rtol=1e-6)
+        assert torch.equal(ops.gguf_linear(x, qs, d, m, fmt), out)  # the op's CPU body calls it
+    with pytest.raises(RuntimeError, match="inputs"):
+        torch.ops.specc_cpu.gguf_matvec(torch.randn(2, 64), qs, d, m, code)
+
+
+@pytest.mark.parametrize("cpu_kernel", [True, False])
+def test_gguf_linear_compiles_to_native_cpu_code(tmp_path, monkeypatch, cpu_kernel):
+    """Exported as one node; AOTInductor compiles its body to the same values: the C++ product through
+    the proxy executor, or without it the reference as native code (no call out of the graph)."""
     import zipfile
 
+    from specc.kernels import gguf_cpu
     from specc.kernels.gguf_linear import split_blocks
+
+    if not cpu_kernel:
+        monkeypatch.setitem(gguf_cpu._state, "loaded", False)
 
     raw, want = gguf_weight("Q4_1", N=48, K=64, seed=5)
     qs, d, m = split_blocks(raw, "Q4_1")
@@ -661,5 +689,5 @@ def test_gguf_linear_compiles_to_native_cpu_code(tmp_path):
     pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "gguf.pt2"))
     code = "".join(zipfile.ZipFile(pkg).read(n).decode(errors="ignore")
                    for n in zipfile.ZipFile(pkg).namelist() if n.endswith(".cpp"))
-    assert "proxy_executor_call_function" not in code
+    assert ("proxy_executor_call_function" in code and "gguf_matvec" in code) == cpu_kernel
     torch.testing.assert_close(torch._inductor.aoti_load_package(pkg)(x, qs, d, m), x @ want.T, atol=1e-4, rtol=1e-5)

@@ -72,18 +72,20 @@ def hf_greedy_continuations(prompts=PROMPTS) -> list:
     return out
 
 
-def check_engine(path, reference, speculative: bool, prompts=range(len(PROMPTS)), plain=()) -> None:
-    """The reference prompts numbered `prompts` give HF's tokens; with a drafter, fewer verify passes
-    than tokens; those numbered `plain` also through plain decoding in the same engine (its plain graph)."""
+def check_engine(path, reference, speculative: bool, prompts=range(len(PROMPTS)), plain=(), new: int = NEW) -> None:
+    """The reference prompts numbered `prompts` give HF's first `new` tokens; with a drafter, fewer
+    verify passes than tokens; those numbered `plain` also through plain decoding in the same engine
+    (its plain graph)."""
     engine = specc.load(path)
     steps = tokens = 0
     for i in prompts:
         ids, expected = reference[i]
-        res = engine.generate(ids, max_new_tokens=NEW)
+        expected = expected[:new]
+        res = engine.generate(ids, max_new_tokens=new)
         assert res.token_ids == expected, f"prompt {i}"
         steps, tokens = steps + res.stats.steps, tokens + len(expected) - 1
         if i in plain:
-            assert engine.generate(ids, max_new_tokens=NEW, speculate=False).token_ids == expected, f"prompt {i}, plain"
+            assert engine.generate(ids, max_new_tokens=new, speculate=False).token_ids == expected, f"prompt {i}, plain"
     if speculative:  # the drafter did real work
         assert steps < tokens
 
@@ -113,8 +115,9 @@ def test_shipped_drafters_greedy_identical_to_hf(reference, tmp_path, drafter, p
     tree = {"dspark": "chain:4"}.get(drafter)
     path = specc.compile(None, drafter=drafter, tree=tree, backend="eager", output_dir=tmp_path / "engine",
                          max_len=512, progress=False, modes="greedy")
-    # One prompt each, code or the chat template: the eager drafter graphs are slow (suite time).
-    check_engine(path, reference(), speculative=True, prompts=(prompt,))
+    # One prompt each, code or the chat template, 64 tokens: the eager drafter graphs are slow (suite
+    # time; examples/bench_drafters.py compares 128 tokens of ten prompts with plain decoding).
+    check_engine(path, reference(), speculative=True, prompts=(prompt,), new=64)
 
 
 def test_onnx_greedy_identical_to_hf(reference, tmp_path):

@@ -1,0 +1,72 @@
+"""`specc_cpu::gguf_matvec`: the CPU product of a few rows with GGUF blocks (gguf_cpu.cpp), built here.
+
+The C++ is compiled for the machine it runs on (`-march=native`, once per machine, source and
+torch version, under ~/.cache/specc/cpp) the first time a CPU product needs it, with the compiler
+Inductor uses. Where no compiler is found the products keep the torch reference, whose Inductor loop
+computes the same weights (slower). AOTInductor calls the op through its proxy executor, so a
+graph compiled with it needs it loaded where it runs: `specc.load` does that for the engines
+whose manifest says so (`quant.cpu_kernel`).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("gguf_cpu.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]  # no contraction: the reference's rounding
+
+_state: dict[str, object] = {}
+
+
+def _machine() -> str:
+    """What the build depends on besides the source: the CPU's instruction sets and torch's version."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()} {torch.__version__} {' '.join(FLAGS)} {flags}"
+
+
+def build_dir() -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + _machine().encode()).hexdigest()[:16]
+    root = Path(os.environ.get("SPECC_CACHE", Path.home() / ".cache" / "specc"))
+    return root / "cpp" / f"gguf_cpu-{key}"
+
+
+def load_cpu_kernel() -> bool:
+    """Build (or find built) and load the op; False where that is impossible here (no compiler, not
+    x86 or ARM Linux) or turned off with SPECC_CPU_KERNELS=0. Decided once per process."""
+    if "loaded" in _state:
+        return bool(_state["loaded"])
+    ok = False
+    if os.environ.get("SPECC_CPU_KERNELS", "1") != "0":
+        try:
+            from torch.utils.cpp_extension import load
+
+            out = build_dir()
+            out.mkdir(parents=True, exist_ok=True)
+            load(name=f"specc_gguf_cpu_{out.name.split('-')[-1]}", sources=[str(SOURCE)], extra_cflags=FLAGS,
+                 extra_ldflags=["-fopenmp"], build_directory=str(out), is_python_module=False, verbose=False)
+            torch.library.register_fake("specc_cpu::gguf_matvec")(_fake)
+            ok = True
+        except Exception as e:  # no compiler, or a build that failed: keep the reference
+            _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+    _state["loaded"] = ok
+    return ok
+
+
+def load_error() -> str | None:
+    """Why load_cpu_kernel() returned False (None if it did not, or was not called)."""
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def _fake(x, qs, d, m, fmt):
+    return x.new_empty((*x.shape[:-1], qs.shape[0]))
