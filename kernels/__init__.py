@@ -9,7 +9,9 @@ Importing this package registers the ops under the `specc` namespace:
 * ``torch.ops.specc.compact_kv_`` -- the accepted path's K/V moved in place to consecutive slots
   (compact_kv.py);
 * ``torch.ops.specc.gguf_linear(x, qs, d, m, fmt)`` -- a product with a weight kept in a GGUF
-  file's Q8_0 / Q4_0 / Q4_1 blocks, dequantised in the kernel (gguf_linear.py).
+  file's Q8_0 / Q4_0 / Q4_1 blocks, dequantised in the kernel (gguf_linear.py). Its CPU body calls
+  ``torch.ops.specc_cpu.gguf_matvec`` for a few rows, a C++ product built for the machine on first
+  use (gguf_cpu.cpp, gguf_cpu.py), where a compiler is found; else the reference.
 
 On CPU tensors each op runs its torch reference; on CUDA tensors it runs the Triton kernel. Triton
 stays optional at run time: without it this package still imports, and CUDA calls fall back to the
