@@ -664,6 +664,20 @@ def test_gguf_cpu_product_matches_the_weights(fmt):
         torch.ops.specc_cpu.gguf_matvec(torch.randn(2, 64), qs, d, m, code)
 
 
+def test_gguf_cpu_portable_path_subprocess():
+    """On an AVX-512 machine the product above ran its AVX-512 code; the same test in a process whose
+    build leaves AVX-512 out runs the portable loops (what AVX2 machines compile)."""
+    if os.environ.get("SPECC_CPU_KERNEL_FLAGS"):
+        pytest.skip("this process already builds with extra flags")
+    if "avx512f" not in Path("/proc/cpuinfo").read_text(errors="ignore"):
+        pytest.skip("no AVX-512 here: the test above ran the portable path")
+    env = dict(os.environ, SPECC_CPU_KERNEL_FLAGS="-mno-avx512f", OMP_NUM_THREADS="2")
+    proc = subprocess.run([sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "gguf_cpu_product"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "3 passed" in proc.stdout
+
+
 @pytest.mark.parametrize("cpu_kernel", [True, False])
 def test_gguf_linear_compiles_to_native_cpu_code(tmp_path, monkeypatch, cpu_kernel):
     """Exported as one node; AOTInductor compiles its body to the same values: the C++ product through
