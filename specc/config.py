@@ -115,9 +115,12 @@ class CompileConfig:
                              "embedded SmolLM2 GGUF), or use --quant int8.")
         if self.quant == "gguf" and self.torch_dtype != torch.float32:
             raise SpeccError("--quant gguf computes in float32 (the activations of its products); use --dtype float32.")
-        if self.quant != FLOAT and self.backend in ("onnx", "tensorrt"):
-            raise SpeccError(f"--quant {self.quant} runs on the eager and inductor backends; the ONNX lowering of "
-                             f"quantized weights is not built yet.")
+        if self.quant in ("int4", "gguf") and self.backend in ("onnx", "tensorrt"):
+            raise SpeccError(f"--quant {self.quant} runs on the eager and inductor backends (int8 on onnx too); the "
+                             f"ONNX lowering of 4-bit blocks is not built yet.")
+        if self.quant == "int8" and self.backend == "tensorrt":
+            raise SpeccError("--quant int8 runs on the eager, inductor and onnx backends; TensorRT engines of int8 "
+                             "weights are not built yet.")
         kind.check(self)
 
     def _check_ngram_branch(self, kind) -> None:

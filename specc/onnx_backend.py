@@ -116,13 +116,25 @@ def simplify(model) -> None:
 
     common.InlinePass()(model)
     for _ in range(2):
-        opt.fold_constants(model)
+        opt.fold_constants(model, should_fold=keeps_quantized_weights)
         common.RemoveUnusedNodesPass()(model)
     for p in (common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
               common.DeduplicateInitializersPass(), common.CommonSubexpressionEliminationPass(),
               common.OutputFixPass(), common.NameFixPass()):
         p(model)
     assert isinstance(model, ir.Model)
+
+
+def keeps_quantized_weights(node) -> bool | None:
+    """Constant folding's veto: the Cast of an int8 weight to the activations' dtype stays in the
+    graph (`--quant int8`), so the engine stores and the runtime reads one byte per weight; folding
+    it would store the float weight instead. None: the folder's own rule for everything else."""
+    import onnx_ir as ir
+
+    if node.op_type == "Cast" and node.inputs and node.inputs[0] is not None:
+        if node.inputs[0].dtype in (ir.DataType.INT8, ir.DataType.UINT8):
+            return False
+    return None
 
 
 class SharedWeights:

@@ -92,10 +92,13 @@ def quant_dir(tmp_path_factory):
 
 # Suite time: int8 through Inductor runs in examples/bench_quant.py (and int4 here covers the
 # quantized graphs through AOTInductor).
-@pytest.mark.parametrize("quant,backend", [("int8", "eager"), ("int4", "inductor")])
+@pytest.mark.parametrize("quant,backend", [("int8", "eager"), ("int4", "inductor"), ("int8", "onnx")])
 def test_quantized_engine_is_lossless_to_the_quantized_target(quant_dir, tmp_path, quant, backend):
     """Speculative greedy == the engine's own plain decoding == HF on the dequantized weights; for
-    int4 on Inductor, specc::gguf_linear inside every compiled graph."""
+    int4 on Inductor, specc::gguf_linear inside every compiled graph; for int8 on onnx, int8
+    initializers cast in the graph."""
+    if backend == "onnx":
+        pytest.importorskip("onnxruntime")
     root, model = quant_dir
     path = specc.compile(root / "llama", drafter="ngram", tree="chain:3", backend=backend, quant=quant,
                          output_dir=tmp_path / "e", max_len=64, prefill_chunk=8, progress=False, modes="greedy")
@@ -108,6 +111,12 @@ def test_quantized_engine_is_lossless_to_the_quantized_target(quant_dir, tmp_pat
         keys = set(m["graphs"]["plain_greedy"]["state_keys"])
         want = {"w_head.q", "w_head.scale", "blocks.1.w_down.q"} if quant == "int8" else {"w_head.qs", "blocks.1.w_down.d"}
         assert want <= keys and "w_head" not in keys
+    if backend == "onnx":  # the int8 weights stay int8 in the graphs (their casts are not folded away)
+        import onnx
+
+        g = onnx.load(path / "graphs" / "step_greedy.onnx", load_external_data=False)
+        int8 = [i for i in g.graph.initializer if i.data_type == onnx.TensorProto.INT8]
+        assert len(int8) == 4 * 2 + 1, [i.name for i in int8]  # 4 products a layer, 2 layers, the head
     ref = dequantized_hf(model, quant)
     prompt = [3, 9, 4, 3, 9, 4, 3, 9]  # repeats, so prompt lookup drafts and the step graph verifies
     spec = engine.generate(prompt, max_new_tokens=24, stop_at_eos=False)
@@ -192,8 +201,10 @@ def test_gguf_target_module_computes_the_loaded_model(fmt):
 def test_bad_quant_is_refused(tmp_path):
     with pytest.raises(SpeccError, match="unknown --quant 'int3'; use one of none, int8, int4, gguf"):
         CompileConfig(output_dir=tmp_path / "e", quant="int3")
-    with pytest.raises(SpeccError, match="ONNX lowering of quantized weights is not built yet"):
-        CompileConfig(output_dir=tmp_path / "e", quant="int8", backend="onnx")
+    with pytest.raises(SpeccError, match="the ONNX lowering of 4-bit blocks is not built yet"):
+        CompileConfig(output_dir=tmp_path / "e", quant="int4", backend="onnx")
+    with pytest.raises(SpeccError, match="TensorRT engines of int8 weights are not built yet"):
+        CompileConfig(output_dir=tmp_path / "e", quant="int8", backend="tensorrt")
     with pytest.raises(SpeccError, match="--quant gguf keeps a GGUF file's own blocks; give a .gguf model"):
         CompileConfig(output_dir=tmp_path / "e", model=tmp_path, quant="gguf")
     assert not (tmp_path / "e").exists()
