@@ -11,7 +11,10 @@ Importing this package registers the ops under the `specc` namespace:
 * ``torch.ops.specc.gguf_linear(x, qs, d, m, fmt)`` -- a product with a weight kept in a GGUF
   file's Q8_0 / Q4_0 / Q4_1 blocks, dequantised in the kernel (gguf_linear.py). Its CPU body calls
   ``torch.ops.specc_cpu.gguf_matvec`` for a few rows, a C++ product built for the machine on first
-  use (gguf_cpu.cpp, gguf_cpu.py), where a compiler is found; else the reference.
+  use (gguf_cpu.cpp, cpu_kernels.py), where a compiler is found; else the reference;
+* ``torch.ops.specc.rows_linear(x, w)`` -- x @ w.T for the few rows of a decode step (the `matvec`
+  pass puts it in; rows_linear.py): a streaming reduction Inductor fuses, or on CPU float32 the C++
+  product ``torch.ops.specc_cpu.dense_matvec`` (dense_cpu.cpp) where it builds.
 
 On CPU tensors each op runs its torch reference; on CUDA tensors it runs the Triton kernel. Triton
 stays optional at run time: without it this package still imports, and CUDA calls fall back to the
@@ -52,6 +55,7 @@ else:
     from .compact_kv import compact_kv_reference, compact_kv_triton
     from .gguf_linear import dequantize as gguf_dequantize
     from .gguf_linear import gguf_linear_reference, gguf_linear_triton
+    from .rows_linear import rows_linear_reference
     from .tree_accept import (accept_greedy_reference, accept_greedy_triton, accept_sample_reference,
                               accept_sample_triton, accept_sampled_reference)
     from .tree_attention import tree_attention_reference, tree_attention_triton
@@ -64,4 +68,5 @@ else:
         "accept_sampled_reference",
         "compact_kv_reference", "compact_kv_triton",
         "gguf_dequantize", "gguf_linear_reference", "gguf_linear_triton",
+        "rows_linear_reference",
     ]

@@ -1,4 +1,4 @@
-// specc_cpu::gguf_matvec: a few rows times a GGUF block-quantized weight, on CPU (kernels/gguf_cpu.py
+// specc_cpu::gguf_matvec: a few rows times a GGUF block-quantized weight, on CPU (kernels/cpu_kernels.py
 // builds it for the machine it runs on). The weights are the ones gguf_linear_reference computes
 // (gguf-py's formulas, float32, the same rounding); only the order of the sums differs.
 //

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .gguf_cpu import load_cpu_kernel
+from .cpu_kernels import load_cpu_kernel
 from .triton_support import require_triton, tl, triton, wrap_triton
 
 FORMATS = ("Q8_0", "Q4_0", "Q4_1")

@@ -1,4 +1,4 @@
-"""Pass `matvec`: a linear layer applied to a few rows becomes a multiply and a row sum.
+"""Pass `matvec`: a linear layer applied to a few rows becomes a product made for few rows.
 
 Why: on this CPU, MKL's sgemv streams a weight at 16-22 GB/s, while Inductor compiles
 `(x_r * w).sum(-1)` over a contiguous [out, in] weight into one vectorised reduction loop that
@@ -7,6 +7,12 @@ grow with the rows while the weight traffic does not; with the rows stored once 
 reduction still beats the GEMM at 16 and 32 rows on these CPUs, so a tree of up to 16 nodes
 verifies in far fewer plain steps' time than through GEMMs. Larger products (prefill chunks) stay GEMMs.
 The eager backend keeps `linear`, since there the product would be materialised.
+
+A weight the graph holds as a parameter goes to `specc::rows_linear` (kernels/rows_linear.py), whose
+body is that reduction, or on CPU float32 a hand-written C++ product that prefetches the weight and
+stays near the memory's speed up to 8 rows, where the reduction turns compute-bound (BENCHMARKS.md).
+A weight computed in the graph (int8 cast to float) keeps the reduction written out in the graph,
+where Inductor fuses its producer into the loop.
 """
 from __future__ import annotations
 
@@ -14,6 +20,8 @@ import math
 
 import torch
 import torch._inductor.inductor_prims  # noqa: F401 -- registers prims.inductor_force_stride_order
+
+import specc.kernels  # noqa: F401  (registers torch.ops.specc.rows_linear)
 
 aten = torch.ops.aten
 
@@ -25,9 +33,10 @@ MAX_ROWS = 16
 
 
 def matvec(ep: torch.export.ExportedProgram, max_rows: int = MAX_ROWS) -> torch.export.ExportedProgram:
-    """Invariant: every `aten.linear` whose input has at most `max_rows` rows is replaced by one
-    multiply and sum over the last dimension per row, stacked (+ bias); values are equal up to the
-    order of the float sum. Nothing else in the graph changes, nor the signature.
+    """Invariant: every `aten.linear` whose input has at most `max_rows` rows is replaced by
+    `specc::rows_linear` where its weight is a placeholder, else by one multiply and sum over the last
+    dimension per row, stacked (+ bias); values are equal up to the order of the float sum. Nothing
+    else in the graph changes, nor the signature.
 
     One [out, in] reduction per row, all over the same weight: Inductor fuses reductions with equal
     loop ranges into one loop over weight rows (in parallel) and the input dimension (vectorised),
@@ -49,17 +58,10 @@ def matvec(ep: torch.export.ExportedProgram, max_rows: int = MAX_ROWS) -> torch.
         if rows > max_rows:
             continue
         with g.inserting_before(node):
-            new = [g.call_function(aten.view.default, (x, [rows, shape[-1]]))]
-            new.append(g.call_function(torch.ops.prims.inductor_force_stride_order.default,
-                                       (new[0], [shape[-1], 1])))
-            sums = []
-            for r in range(rows):
-                new.append(g.call_function(aten.select.int, (new[1], 0, r)))
-                new.append(g.call_function(aten.mul.Tensor, (w, new[-1])))
-                new.append(g.call_function(aten.sum.dim_IntList, (new[-1], [-1])))
-                sums.append(new[-1])
-            new.append(g.call_function(aten.stack.default, (sums, 0)))
-            new.append(g.call_function(aten.view.default, (new[-1], shape[:-1] + [n])))
+            if w.op == "placeholder":
+                new = [g.call_function(torch.ops.specc.rows_linear.default, (x, w))]
+            else:
+                new = _row_sums(g, x, w, rows, shape, n)
             if b is not None:
                 new.append(g.call_function(aten.add.Tensor, (new[-1], b)))
         _propagate_meta(new)
@@ -68,6 +70,21 @@ def matvec(ep: torch.export.ExportedProgram, max_rows: int = MAX_ROWS) -> torch.
     g.lint()
     ep.graph_module.recompile()
     return ep
+
+
+def _row_sums(g, x, w, rows: int, shape: list, n: int) -> list:
+    """rows_linear_reference written out in the graph (nodes in order, the result last)."""
+    new = [g.call_function(aten.view.default, (x, [rows, shape[-1]]))]
+    new.append(g.call_function(torch.ops.prims.inductor_force_stride_order.default, (new[0], [shape[-1], 1])))
+    sums = []
+    for r in range(rows):
+        new.append(g.call_function(aten.select.int, (new[1], 0, r)))
+        new.append(g.call_function(aten.mul.Tensor, (w, new[-1])))
+        new.append(g.call_function(aten.sum.dim_IntList, (new[-1], [-1])))
+        sums.append(new[-1])
+    new.append(g.call_function(aten.stack.default, (sums, 0)))
+    new.append(g.call_function(aten.view.default, (new[-1], shape[:-1] + [n])))
+    return new
 
 
 def _propagate_meta(nodes) -> None:

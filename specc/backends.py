@@ -147,7 +147,7 @@ def kernel_sources() -> str:
     """The specc ops are triton_ops whose bodies Inductor inlines (the acceptance rules' entry points
     in acceptance.py pick them): their source is part of the compiled code."""
     import specc.kernels
-    from specc.kernels.gguf_cpu import load_cpu_kernel
+    from specc.kernels.cpu_kernels import load_cpu_kernel
 
     folder = Path(specc.kernels.__file__).parent
     files = sorted(folder.glob("*.py")) + sorted(folder.glob("*.cpp")) + [Path(__file__).parent / "acceptance.py"]

@@ -251,9 +251,9 @@ def write_manifest(stage: Path, cfg: CompileConfig, target, modules: EngineModul
         "graphs": graphs,
         # what each decoded token reads: the target's weights (quantized or not) and the drafter's own
         "quant": {"target": cfg.quant, "drafter": FLOAT, "bytes_per_token": {
-            "target": weight_bytes(modules.target), "drafter": weight_bytes(modules.draft, shared=modules.target)},
-            # the graphs call specc_cpu::gguf_matvec (kernels/gguf_cpu.py), which load must build or find
-            "cpu_kernel": cpu_kernel_used(cfg)},
+            "target": weight_bytes(modules.target), "drafter": weight_bytes(modules.draft, shared=modules.target)}},
+        # the graphs call the specc_cpu products (kernels/cpu_kernels.py), which load must build or find
+        "cpu_kernels": cpu_kernels_used(cfg),
         **({"adaptive": {"sizes": adaptive.family_sizes(tree)}} if cfg.adaptive else {}),
         **({"tensorrt": trt} if trt is not None else {}),
         "files": files,
@@ -261,12 +261,13 @@ def write_manifest(stage: Path, cfg: CompileConfig, target, modules: EngineModul
     (stage / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
 
 
-def cpu_kernel_used(cfg: CompileConfig) -> bool:
-    """Whether an engine's graphs hold calls of the CPU GGUF product (block formats compiled for CPU)."""
-    from specc.kernels.gguf_cpu import load_cpu_kernel
+def cpu_kernels_used(cfg: CompileConfig) -> bool:
+    """Whether an engine's graphs may call the specc_cpu products: Inductor on CPU, with float32 products
+    (rows_linear's body) or GGUF blocks (gguf_linear's), where the products built here."""
+    from specc.kernels.cpu_kernels import load_cpu_kernel
 
-    return cfg.quant in ("int4", "gguf") and cfg.backend == "inductor" and torch.device(cfg.device or "cpu").type == "cpu" \
-        and load_cpu_kernel()
+    return cfg.backend == "inductor" and torch.device(cfg.device or "cpu").type == "cpu" \
+        and (cfg.quant in ("int4", "gguf") or cfg.torch_dtype == torch.float32) and load_cpu_kernel()
 
 
 def eos_ids(model) -> list[int]:
@@ -367,11 +368,11 @@ def load(path, check_hashes: bool = True, device: str | None = None, cuda_graphs
     kind, cache_len, chunk = get_kind(entry["kind"]), manifest["cache_len"], manifest["prefill_chunk"]
     weights = kind.load_saved(path / "draft", entry, model, dtype)
     quant = manifest.get("quant", {}).get("target", FLOAT)
-    if manifest.get("quant", {}).get("cpu_kernel"):
-        from specc.kernels.gguf_cpu import load_cpu_kernel, load_error
+    if manifest.get("cpu_kernels") or manifest.get("quant", {}).get("cpu_kernel"):  # the latter: older engines
+        from specc.kernels.cpu_kernels import load_cpu_kernel, load_error
 
         if not load_cpu_kernel():
-            raise SpeccError(f"this engine's graphs call specc's CPU GGUF product, which could not be built here "
+            raise SpeccError(f"this engine's graphs call specc's C++ CPU products, which could not be built here "
                              f"({load_error() or 'turned off by SPECC_CPU_KERNELS=0'}); compile the engine on this "
                              f"machine.")
     if quant == "gguf":

@@ -88,6 +88,14 @@ def test_inductor_matches_eager_and_caches(llama_dir, tmp_path, monkeypatch):
     assert sorted(p.name for p in (ind / "graphs").iterdir()) == sorted(f"{n}.pt2" for n in names)
     engine = specc.load(ind)
     assert engine.generate(PROMPT, max_new_tokens=30, stop_at_eos=False).token_ids == hf_greedy(model, PROMPT, 30)
+    # float32 on CPU: the few-row products are the C++ product (built here), which load must find
+    from specc.kernels import cpu_kernels
+
+    assert json.loads((ind / "specc.json").read_text())["cpu_kernels"] is True
+    monkeypatch.setitem(cpu_kernels._state, "loaded", False)
+    with pytest.raises(SpeccError, match="C\\+\\+ CPU products, which could not be built here"):
+        specc.load(ind)
+    monkeypatch.setitem(cpu_kernels._state, "loaded", True)
     eager = specc.load(specc.compile(root / "llama", backend="eager", output_dir=tmp_path / "eager", **kw))
     for seed in range(3):
         a = engine.generate(PROMPT, max_new_tokens=20, temperature=0.9, top_p=0.9, seed=seed, stop_at_eos=False)

@@ -647,7 +647,7 @@ def test_gguf_cpu_product_matches_the_weights(fmt):
     """gguf_cpu.cpp's product (built here: this machine has Inductor's compiler) against the float64
     product with gguf-py's weights, for 1..16 rows (groups of 4 and the rest) and odd output counts;
     a weight that does not fit x is refused."""
-    from specc.kernels.gguf_cpu import load_cpu_kernel, load_error
+    from specc.kernels.cpu_kernels import load_cpu_kernel, load_error
     from specc.kernels.gguf_linear import FORMATS, split_blocks
 
     assert load_cpu_kernel(), load_error()
@@ -664,8 +664,34 @@ def test_gguf_cpu_product_matches_the_weights(fmt):
         torch.ops.specc_cpu.gguf_matvec(torch.randn(2, 64), qs, d, m, code)
 
 
+@pytest.mark.parametrize("k", [16, 96, 577])  # 577: a masked tail of 1
+def test_dense_cpu_product_matches_float64(k):
+    """dense_cpu.cpp's product against float64 for 1..17 rows (past a tile of 8) and odd output
+    counts; each row's result is the same bit for bit alone and among others; rows_linear's CPU body
+    calls it at 1 row and from KERNEL_MIN_ROWS; bad shapes are refused."""
+    from specc.kernels.cpu_kernels import load_cpu_kernel, load_error
+    from specc.kernels.rows_linear import KERNEL_MIN_ROWS
+
+    assert load_cpu_kernel(), load_error()
+    w = torch.randn(67, k, generator=gen(k))
+    for rows in (1, 2, 3, 8, 9, 17):
+        x = torch.randn(1, rows, k, generator=gen(rows))
+        out = torch.ops.specc_cpu.dense_matvec(x, w)
+        assert out.shape == (1, rows, 67)
+        torch.testing.assert_close(out.double(), x.double() @ w.double().T, atol=1e-4, rtol=1e-5)
+        for r in {0, rows - 1}:
+            assert torch.equal(torch.ops.specc_cpu.dense_matvec(x[:, r:r + 1], w), out[:, r:r + 1])
+        if rows == 1 or rows >= KERNEL_MIN_ROWS:
+            assert torch.equal(ops.rows_linear(x, w), out)
+        torch.testing.assert_close(K.rows_linear_reference(x, w), out, atol=1e-4, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="inputs"):
+        torch.ops.specc_cpu.dense_matvec(torch.randn(2, k + 1), w)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.specc_cpu.dense_matvec(torch.randn(2, k, dtype=torch.float64), w)
+
+
 def test_gguf_cpu_portable_path_subprocess():
-    """On an AVX-512 machine the product above ran its AVX-512 code; the same test in a process whose
+    """On an AVX-512 machine the products above ran its AVX-512 code; the same test in a process whose
     build leaves AVX-512 out runs the portable loops (what AVX2 machines compile)."""
     if os.environ.get("SPECC_CPU_KERNEL_FLAGS"):
         pytest.skip("this process already builds with extra flags")
@@ -673,9 +699,9 @@ def test_gguf_cpu_portable_path_subprocess():
         pytest.skip("no AVX-512 here: the test above ran the portable path")
     env = dict(os.environ, SPECC_CPU_KERNEL_FLAGS="-mno-avx512f", OMP_NUM_THREADS="2")
     proc = subprocess.run([sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "gguf_cpu_product"], env=env, capture_output=True, text=True, timeout=600)
+                           "gguf_cpu_product or dense_cpu_product"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "3 passed" in proc.stdout
+    assert "6 passed" in proc.stdout
 
 
 @pytest.mark.parametrize("cpu_kernel", [True, False])
@@ -684,11 +710,11 @@ def test_gguf_linear_compiles_to_native_cpu_code(tmp_path, monkeypatch, cpu_kern
     the proxy executor, or without it the reference as native code (no call out of the graph)."""
     import zipfile
 
-    from specc.kernels import gguf_cpu
+    from specc.kernels import cpu_kernels
     from specc.kernels.gguf_linear import split_blocks
 
     if not cpu_kernel:
-        monkeypatch.setitem(gguf_cpu._state, "loaded", False)
+        monkeypatch.setitem(cpu_kernels._state, "loaded", False)
 
     raw, want = gguf_weight("Q4_1", N=48, K=64, seed=5)
     qs, d, m = split_blocks(raw, "Q4_1")
@@ -705,3 +731,28 @@ def test_gguf_linear_compiles_to_native_cpu_code(tmp_path, monkeypatch, cpu_kern
                    for n in zipfile.ZipFile(pkg).namelist() if n.endswith(".cpp"))
     assert ("proxy_executor_call_function" in code and "gguf_matvec" in code) == cpu_kernel
     torch.testing.assert_close(torch._inductor.aoti_load_package(pkg)(x, qs, d, m), x @ want.T, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cpu_kernel,rows", [(True, 1), (True, 3), (True, 6), (False, 6)])
+def test_rows_linear_compiles_to_native_cpu_code(tmp_path, monkeypatch, cpu_kernel, rows):
+    """The matvec pass's op for a parameter weight: AOTInductor compiles the C++ product through the
+    proxy executor at 1 row and from KERNEL_MIN_ROWS, else (or without it) the reference's reduction
+    as native code."""
+    import zipfile
+
+    from specc.kernels import cpu_kernels
+    from specc.kernels.rows_linear import KERNEL_MIN_ROWS
+    from specc.passes.matvec import matvec
+
+    if not cpu_kernel:
+        monkeypatch.setitem(cpu_kernels._state, "loaded", False)
+    lin = nn.Linear(40, 24).requires_grad_(False)
+    x = torch.randn(1, rows, 40, generator=gen(8))
+    ep = matvec(capture(lin, (x,)))
+    assert count(ep, lambda t: t is ops.rows_linear.default) == 1
+    pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "rows.pt2"))
+    code = "".join(zipfile.ZipFile(pkg).read(n).decode(errors="ignore")
+                   for n in zipfile.ZipFile(pkg).namelist() if n.endswith(".cpp"))
+    native = cpu_kernel and (rows == 1 or rows >= KERNEL_MIN_ROWS)
+    assert ("proxy_executor_call_function" in code and "dense_matvec" in code) == native
+    torch.testing.assert_close(torch._inductor.aoti_load_package(pkg)(x), lin(x), atol=1e-5, rtol=1e-5)

@@ -341,12 +341,10 @@ def test_matvec_rewrites_few_row_linears_only(arch, T):
             causal_mask(T, 2, S))
     ref = capture(tm, args).module()(*[a.clone() for a in args])[0]
     ep = matvec(capture(tm, args), max_rows=5)
-    linear, mul_sum = torch.ops.aten.linear.default, torch.ops.aten.sum.dim_IntList
+    linear, rows_linear = torch.ops.aten.linear.default, torch.ops.specc.rows_linear.default
     n_linear = 4 * len(tm.blocks) + 1
-    if T <= 5:
-        assert op_count(ep, linear) == 0 and op_count(ep, mul_sum) >= n_linear
-        # Each product's rows are stored once, not recomputed inside the reduction.
-        assert op_count(ep, torch.ops.prims.inductor_force_stride_order.default) == n_linear
+    if T <= 5:  # the weights are parameters: one node each
+        assert op_count(ep, linear) == 0 and op_count(ep, rows_linear) == n_linear
     else:
         assert op_count(ep, linear) == n_linear
     out = ep.module()(*[a.clone() for a in args])[0]
@@ -355,6 +353,19 @@ def test_matvec_rewrites_few_row_linears_only(arch, T):
     # The program still lowers through the graph's own rewrite and retrace path.
     again = capture(ep.module(), args)
     torch.testing.assert_close(again.module()(*[a.clone() for a in args])[0], ref, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_matvec_writes_out_products_of_computed_weights():
+    """An int8 weight cast in the graph keeps the reduction in the graph (Inductor fuses the cast into
+    its loop; rows_linear's C++ body would need the float weight made first), its rows stored once."""
+    mod, x = HeadThenRow(), torch.randn(1, 3, 16)
+    ep = matvec(capture(mod, (x, torch.tensor(3))))
+    assert op_count(ep, torch.ops.specc.rows_linear.default) == 0 and op_count(ep, torch.ops.aten.linear.default) == 0
+    assert op_count(ep, torch.ops.aten.sum.dim_IntList) == 3
+    assert op_count(ep, torch.ops.prims.inductor_force_stride_order.default) == 1
+    for n in (1, 3):
+        torch.testing.assert_close(ep.module()(x, torch.tensor(n))[0], mod(x, torch.tensor(n))[0], rtol=1e-5, atol=1e-3)
 
 
 # --------------------------------------------------------------------------- last_row_head

@@ -1,11 +1,17 @@
-"""`specc_cpu::gguf_matvec`: the CPU product of a few rows with GGUF blocks (gguf_cpu.cpp), built here.
+"""The `specc_cpu` ops: hand-written CPU products of a few rows, built here.
+
+* `specc_cpu::gguf_matvec(x, qs, d, m, fmt)`: with a weight in GGUF blocks (gguf_cpu.cpp), the body of
+  specc::gguf_linear on CPU;
+* `specc_cpu::dense_matvec(x, w)`: with a float32 [out, in] weight (dense_cpu.cpp), the body of
+  specc::rows_linear on CPU float32.
 
 The C++ is compiled for the machine it runs on (`-march=native`, once per machine, source and
 torch version, under ~/.cache/specc/cpp) the first time a CPU product needs it, with the compiler
-Inductor uses. Where no compiler is found the products keep the torch reference, whose Inductor loop
-computes the same weights (slower). AOTInductor calls the op through its proxy executor, so a
-graph compiled with it needs it loaded where it runs: `specc.load` does that for the engines
-whose manifest says so (`quant.cpu_kernel`).
+Inductor uses. Where no compiler is found the products keep their torch references, which
+Inductor compiles to native loops (the same values up to the order of the sums; slower).
+AOTInductor calls the ops through its proxy executor, so a graph compiled with them needs them
+loaded where it runs: `specc.load` does that for the engines whose manifest says so
+(`cpu_kernels`; `quant.cpu_kernel` in engines built before the dense product).
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("gguf_cpu.cpp")
+SOURCES = [Path(__file__).with_name(f) for f in ("gguf_cpu.cpp", "dense_cpu.cpp")]
 # no contraction: the reference's rounding. SPECC_CPU_KERNEL_FLAGS adds flags (the tests build the
 # portable path on an AVX-512 machine with -mno-avx512f).
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", *os.environ.get("SPECC_CPU_KERNEL_FLAGS", "").split()]
@@ -38,9 +44,9 @@ def _machine() -> str:
 
 
 def build_dir() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + _machine().encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + _machine().encode()).hexdigest()[:16]
     root = Path(os.environ.get("SPECC_CACHE", Path.home() / ".cache" / "specc"))
-    return root / "cpp" / f"gguf_cpu-{key}"
+    return root / "cpp" / f"cpu_kernels-{key}"
 
 
 def load_cpu_kernel() -> bool:
@@ -55,9 +61,10 @@ def load_cpu_kernel() -> bool:
 
             out = build_dir()
             out.mkdir(parents=True, exist_ok=True)
-            load(name=f"specc_gguf_cpu_{out.name.split('-')[-1]}", sources=[str(SOURCE)], extra_cflags=FLAGS,
+            load(name=f"specc_cpu_kernels_{out.name.split('-')[-1]}", sources=[str(p) for p in SOURCES], extra_cflags=FLAGS,
                  extra_ldflags=["-fopenmp"], build_directory=str(out), is_python_module=False, verbose=False)
-            torch.library.register_fake("specc_cpu::gguf_matvec")(_fake)
+            torch.library.register_fake("specc_cpu::gguf_matvec")(_fake_gguf)
+            torch.library.register_fake("specc_cpu::dense_matvec")(_fake_dense)
             ok = True
         except Exception as e:  # no compiler, or a build that failed: keep the reference
             _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
@@ -70,5 +77,9 @@ def load_error() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
 
 
-def _fake(x, qs, d, m, fmt):
+def _fake_gguf(x, qs, d, m, fmt):
     return x.new_empty((*x.shape[:-1], qs.shape[0]))
+
+
+def _fake_dense(x, w):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))

@@ -1,0 +1,42 @@
+"""`specc::rows_linear(x, w)`: x @ w.T for a few rows of x and a weight the graph holds as it is.
+
+The `matvec` pass (passes/matvec.py) puts it in place of a few-row `linear` whose weight is a
+parameter. Its body is what Inductor compiles: on CPU float32, for 1 row or from KERNEL_MIN_ROWS
+rows, the hand-written product `specc_cpu::dense_matvec` (dense_cpu.cpp) where it builds; everywhere
+else the reference below, one multiply and row sum per input row over the weight, which Inductor
+fuses into one streaming reduction loop (the pass's form for every weight before this op existed; still its form for
+weights computed in the graph, such as int8 weights cast in the loop).
+"""
+from __future__ import annotations
+
+import torch
+import torch._inductor.inductor_prims  # noqa: F401 -- registers prims.inductor_force_stride_order
+from torch import Tensor
+
+from .cpu_kernels import load_cpu_kernel
+
+# Whole step graphs of SmolLM2 on the AVX-512 EPYC, 2026-12-04 (BENCHMARKS.md "Cost curve of the step
+# graphs 3"): the C++ product wins at 1 row (plain step 14.5 ms, 16.6 with the reduction) and from 5
+# (8 rows: 17.7 against 29.0), the reduction at 2-4 rows (2 rows: 13.7-13.9 against 14.7-15.3).
+KERNEL_MIN_ROWS = 5
+
+
+def rows_linear_reference(x: Tensor, w: Tensor) -> Tensor:
+    """One [out, in] reduction per row, all over the same weight, the rows stored once (Inductor
+    would otherwise recompute their pointwise producer inside the reduction for every weight row)."""
+    shape, K = list(x.shape[:-1]), x.shape[-1]
+    rows = torch.ops.prims.inductor_force_stride_order(x.reshape(-1, K), [K, 1])
+    sums = [(w * rows[r]).sum(-1) for r in range(rows.shape[0])]
+    return torch.stack(sums, 0).view(shape + [w.shape[0]])
+
+
+@torch.library.triton_op("specc::rows_linear", mutates_args=())
+def rows_linear(x: Tensor, w: Tensor) -> Tensor:
+    """x @ w.T, for the few rows of a decode step. A `triton_op`: export keeps it as one node and
+    Inductor traces into this body, which picks the C++ product on CPU float32, at the row counts where
+    it was measured faster, when it builds."""
+    rows = x.numel() // x.shape[-1]
+    if (x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and (rows == 1 or rows >= KERNEL_MIN_ROWS)
+            and load_cpu_kernel()):
+        return torch.ops.specc_cpu.dense_matvec(x, w)
+    return rows_linear_reference(x, w)
