@@ -1,4 +1,4 @@
-// specc_cpu::dense_matvec: a few rows times a float32 [N, K] weight, on CPU (kernels/cpu_kernels.py builds
+// specc_cpu::dense_matvec: a few float32 rows times a float32 or int8 [N, K] weight, on CPU (kernels/cpu_kernels.py builds
 // it for the machine it runs on); the body of specc::rows_linear (rows_linear.py) on CPU float32.
 //
 // Why by hand: Inductor's reduction over the weight (the `matvec` pass's form) streams it at the
@@ -7,7 +7,9 @@
 // 211 products: 15.7 ms at 4 rows, 24.3 at 8, 50.6 at 16, where one row takes 14.7). Here each tile of
 // up to 8 input rows times 4 weight rows (2 beyond 4 input rows: at most 16 accumulators) stays in
 // registers and the weight is prefetched 8 KB ahead of the lines it reads (from 2 rows: for one, the
-// extra instructions cost more than they save, 13.3 against 12.7 ms).
+// extra instructions cost more than they save, 13.3 against 12.7 ms). An int8 weight (--quant int8:
+// its per-row scale is applied after the product, in the graph) is widened to float in registers, a
+// quarter of the bytes for the same multiply-adds.
 //
 // Every output is one thread's sum of 16 lanes over k in steps of 16, reduced the same way whatever
 // the number of rows: a row's result does not depend on the rows beside it or on how many there are.
@@ -17,6 +19,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -24,13 +28,28 @@
 namespace {
 
 constexpr int64_t LANES = 16;
-constexpr int64_t PREFETCH = 2048;  // floats ahead of each weight row's read (measured: 1024-4096 alike)
-constexpr int64_t MAX_R = 8;        // input rows per tile: 8 x 2 accumulators leave registers to spare
-constexpr int64_t BLOCK_N = 32;     // weight rows per block: its lines stay in L1/L2 across row groups
+constexpr int64_t PREFETCH_BYTES = 8192;  // ahead of each weight row's read (measured: 4-16 KB alike)
+constexpr int64_t MAX_R = 8;              // input rows per tile: 8 x 2 accumulators leave registers to spare
+constexpr int64_t BLOCK_N = 32;           // weight rows per block: its lines stay in L1/L2 across row groups
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// The last n < 16 weights, zeros after them (zeros add nothing).
+template <typename W>
+inline __m512 load_tail(const W* p, int64_t n) {
+  W buf[LANES] = {};
+  std::memcpy(buf, p, n * sizeof(W));
+  return load16(buf);
+}
+#endif
 
 // out[r * N + j] = sum_k x[r * K + k] * w[j * K + k] for R input rows and NB weight rows.
-template <int R, int NB>
-inline void tile(const float* x, int64_t K, const float* w, float* out, int64_t N) {
+template <int R, int NB, typename W>
+inline void tile(const float* x, int64_t K, const W* w, float* out, int64_t N) {
+  constexpr int64_t PREFETCH = PREFETCH_BYTES / sizeof(W);
 #if defined(__AVX512F__)
   __m512 acc[NB][R];
   for (int j = 0; j < NB; ++j)
@@ -39,20 +58,20 @@ inline void tile(const float* x, int64_t K, const float* w, float* out, int64_t 
   for (; k + LANES <= K; k += LANES) {
     __m512 wv[NB];
     for (int j = 0; j < NB; ++j) {
-      if constexpr (R > 1) __builtin_prefetch(w + j * K + k + PREFETCH);  // one row: the hardware keeps up
-      wv[j] = _mm512_loadu_ps(w + j * K + k);
+      // One float row: the hardware prefetcher keeps up; int8 rows go by four times faster, it does not.
+      if constexpr (R > 1 || sizeof(W) == 1) __builtin_prefetch(w + j * K + k + PREFETCH);
+      wv[j] = load16(w + j * K + k);
     }
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_loadu_ps(x + r * K + k);
       for (int j = 0; j < NB; ++j) acc[j][r] = _mm512_fmadd_ps(wv[j], xv, acc[j][r]);
     }
   }
-  if (k < K) {  // the last K % 16 inputs, masked: zeros add nothing
-    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
+  if (k < K) {
     __m512 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_ps(mask, w + j * K + k);
+    for (int j = 0; j < NB; ++j) wv[j] = load_tail(w + j * K + k, K - k);
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, x + r * K + k);
+      const __m512 xv = load_tail(x + r * K + k, K - k);
       for (int j = 0; j < NB; ++j) acc[j][r] = _mm512_fmadd_ps(wv[j], xv, acc[j][r]);
     }
   }
@@ -63,11 +82,11 @@ inline void tile(const float* x, int64_t K, const float* w, float* out, int64_t 
   float acc[NB][R][LANES] = {};
   for (int64_t k0 = 0; k0 < K; k0 += LANES) {
     const int64_t n = std::min(LANES, K - k0);
-    if constexpr (R > 1)
+    if constexpr (R > 1 || sizeof(W) == 1)
       for (int j = 0; j < NB; ++j) __builtin_prefetch(w + j * K + k0 + PREFETCH);
     for (int j = 0; j < NB; ++j)
       for (int r = 0; r < R; ++r)
-        for (int64_t l = 0; l < n; ++l) acc[j][r][l] += w[j * K + k0 + l] * x[r * K + k0 + l];
+        for (int64_t l = 0; l < n; ++l) acc[j][r][l] += static_cast<float>(w[j * K + k0 + l]) * x[r * K + k0 + l];
   }
   for (int j = 0; j < NB; ++j)
     for (int r = 0; r < R; ++r) {
@@ -79,8 +98,8 @@ inline void tile(const float* x, int64_t K, const float* w, float* out, int64_t 
 }
 
 // Weight rows n0..n1 for R input rows: fours while R <= 4 (16 accumulators at most), pairs, the odd one.
-template <int R>
-void rows(const float* x, int64_t K, const float* w, float* out, int64_t N, int64_t n0, int64_t n1) {
+template <int R, typename W>
+void rows(const float* x, int64_t K, const W* w, float* out, int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
   if constexpr (R <= 4)
     for (; n + 4 <= n1; n += 4) tile<R, 4>(x, K, w + n * K, out + n, N);
@@ -88,19 +107,8 @@ void rows(const float* x, int64_t K, const float* w, float* out, int64_t N, int6
   for (; n < n1; ++n) tile<R, 1>(x, K, w + n * K, out + n, N);
 }
 
-at::Tensor dense_matvec(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && w.device().is_cpu() &&
-                  w.scalar_type() == at::kFloat, "dense_matvec: x and w must be float32 CPU tensors");
-  TORCH_CHECK(w.dim() == 2, "dense_matvec: w must be [N, K]");
-  const int64_t K = x.size(-1), N = w.size(0);
-  TORCH_CHECK(w.size(1) == K, "dense_matvec: x has ", K, " inputs, the weight ", w.size(1));
-  const at::Tensor xr = x.reshape({-1, K}).contiguous();
-  const at::Tensor wc = w.contiguous();
-  const int64_t M = xr.size(0);
-  at::Tensor out = at::empty({M, N}, x.options());
-  const float* xp = xr.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+template <typename W>
+void product(const float* xp, const W* wp, float* op, int64_t M, int64_t N, int64_t K) {
   at::parallel_for(0, N, 2 * BLOCK_N, [&](int64_t n0, int64_t n1) {
     for (int64_t b0 = n0; b0 < n1; b0 += BLOCK_N) {
       const int64_t b1 = std::min(n1, b0 + BLOCK_N);
@@ -120,6 +128,23 @@ at::Tensor dense_matvec(const at::Tensor& x, const at::Tensor& w) {
       }
     }
   });
+}
+
+at::Tensor dense_matvec(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && w.device().is_cpu() &&
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kChar),
+              "dense_matvec: x must be a float32 CPU tensor and w a float32 or int8 one");
+  TORCH_CHECK(w.dim() == 2, "dense_matvec: w must be [N, K]");
+  const int64_t K = x.size(-1), N = w.size(0);
+  TORCH_CHECK(w.size(1) == K, "dense_matvec: x has ", K, " inputs, the weight ", w.size(1));
+  const at::Tensor xr = x.reshape({-1, K}).contiguous();
+  const at::Tensor wc = w.contiguous();
+  const int64_t M = xr.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (w.scalar_type() == at::kFloat)
+    product(xr.data_ptr<float>(), wc.data_ptr<float>(), out.data_ptr<float>(), M, N, K);
+  else
+    product(xr.data_ptr<float>(), wc.data_ptr<int8_t>(), out.data_ptr<float>(), M, N, K);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   return out.reshape(shape);

@@ -1,11 +1,12 @@
-"""`specc::rows_linear(x, w)`: x @ w.T for a few rows of x and a weight the graph holds as it is.
+"""`specc::rows_linear(x, w)`: x @ w.T for a few rows of x and a weight the graph holds as it is
+(float, or int8 cast to x's dtype: `--quant int8`'s weights, their scale applied after the product).
 
 The `matvec` pass (passes/matvec.py) puts it in place of a few-row `linear` whose weight is a
-parameter. Its body is what Inductor compiles: on CPU float32, for 1 row or from KERNEL_MIN_ROWS
-rows, the hand-written product `specc_cpu::dense_matvec` (dense_cpu.cpp) where it builds; everywhere
-else the reference below, one multiply and row sum per input row over the weight, which Inductor
-fuses into one streaming reduction loop (the pass's form for every weight before this op existed; still its form for
-weights computed in the graph, such as int8 weights cast in the loop).
+parameter. Its body is what Inductor compiles: on CPU, for int8 weights and for float32 ones at 1 row
+or from KERNEL_MIN_ROWS rows, the hand-written product `specc_cpu::dense_matvec` (dense_cpu.cpp) where
+it builds; everywhere else the reference below, one multiply and row sum per input row over the
+weight, which Inductor fuses into one streaming reduction loop (the pass's form for every weight
+before this op existed; still its form for other weights computed in the graph).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from .cpu_kernels import load_cpu_kernel
 # Whole step graphs of SmolLM2 on the AVX-512 EPYC, 2026-12-04 (BENCHMARKS.md "Cost curve of the step
 # graphs 3"): the C++ product wins at 1 row (plain step 14.5 ms, 16.6 with the reduction) and from 5
 # (8 rows: 17.7 against 29.0), the reduction at 2-4 rows (2 rows: 13.7-13.9 against 14.7-15.3).
+# int8 weights (SmolLM2's 211 products, 135 MB): the C++ product at every row count, 3.3 / 3.2 / 3.7 /
+# 6.6 ms at 1 / 2 / 4 / 8 rows against the reduction's 3.5 / 3.3 / 5.2 / 11.3.
 KERNEL_MIN_ROWS = 5
 
 
@@ -35,8 +38,14 @@ def rows_linear(x: Tensor, w: Tensor) -> Tensor:
     """x @ w.T, for the few rows of a decode step. A `triton_op`: export keeps it as one node and
     Inductor traces into this body, which picks the C++ product on CPU float32, at the row counts where
     it was measured faster, when it builds."""
-    rows = x.numel() // x.shape[-1]
-    if (x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and (rows == 1 or rows >= KERNEL_MIN_ROWS)
-            and load_cpu_kernel()):
+    if x.device.type == "cpu" and x.dtype == torch.float32 and kernel_rows(x.numel() // x.shape[-1], w.dtype) \
+            and load_cpu_kernel():
         return torch.ops.specc_cpu.dense_matvec(x, w)
     return rows_linear_reference(x, w)
+
+
+def kernel_rows(rows: int, dtype: torch.dtype) -> bool:
+    """Whether the C++ product computes `rows` rows over a weight of `dtype` (where it was measured faster)."""
+    if dtype == torch.int8:
+        return True
+    return dtype == torch.float32 and (rows == 1 or rows >= KERNEL_MIN_ROWS)

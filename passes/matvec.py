@@ -9,10 +9,12 @@ verifies in far fewer plain steps' time than through GEMMs. Larger products (pre
 The eager backend keeps `linear`, since there the product would be materialised.
 
 A weight the graph holds as a parameter goes to `specc::rows_linear` (kernels/rows_linear.py), whose
-body is that reduction, or on CPU float32 a hand-written C++ product that prefetches the weight and
-stays near the memory's speed up to 8 rows, where the reduction turns compute-bound (BENCHMARKS.md).
-A weight computed in the graph (int8 cast to float) keeps the reduction written out in the graph,
-where Inductor fuses its producer into the loop.
+body is that reduction, or on CPU float32 at 1 row and from 5 rows a hand-written C++ product that
+prefetches the weight and stays near the memory's speed where the reduction turns compute-bound
+(BENCHMARKS.md, "Cost curve of the step graphs 3").
+An int8 weight cast to float in the graph (`--quant int8`) goes to it as the int8 tensor, the cast
+now rows_linear's; any other weight computed in the graph keeps the reduction written out in the
+graph, where Inductor fuses its producer into the loop.
 """
 from __future__ import annotations
 
@@ -25,18 +27,20 @@ import specc.kernels  # noqa: F401  (registers torch.ops.specc.rows_linear)
 
 aten = torch.ops.aten
 
-# Measured on CPU with the rows stored: the reduction beats MKL's GEMM up to 32 rows (LM head: 12.8 vs
-# 30.2 ms at 16 rows), and a step verifying 8 nodes costs 1.44 plain steps (43 ms; 106 with GEMMs). Not yet
-# measured on CUDA against cuBLAS (the graphs are captured on the CPU, so a per-device limit would
-# have to come from the compile config).
+# Measured on CPU: the reduction with the rows stored beats MKL's GEMM up to 32 rows (LM head: 12.8 vs
+# 30.2 ms at 16 rows), and with the C++ product from 5 rows a step verifying 8 nodes costs 1.22 plain
+# steps (17.7 ms; 29.0 with the reductions alone, 106 with GEMMs), 16 nodes 1.62. Not yet measured on
+# CUDA against cuBLAS (the graphs are captured on the CPU, so a per-device limit would have to come
+# from the compile config).
 MAX_ROWS = 16
 
 
 def matvec(ep: torch.export.ExportedProgram, max_rows: int = MAX_ROWS) -> torch.export.ExportedProgram:
     """Invariant: every `aten.linear` whose input has at most `max_rows` rows is replaced by
-    `specc::rows_linear` where its weight is a placeholder, else by one multiply and sum over the last
-    dimension per row, stacked (+ bias); values are equal up to the order of the float sum. Nothing
-    else in the graph changes, nor the signature.
+    `specc::rows_linear` where its weight is a placeholder or an int8 placeholder cast to the input's
+    dtype (the cast, left unused, goes too), else by one multiply and sum over the last dimension per
+    row, stacked (+ bias); values are equal up to the order of the float sum. Nothing else in the
+    graph changes, nor the signature.
 
     One [out, in] reduction per row, all over the same weight: Inductor fuses reductions with equal
     loop ranges into one loop over weight rows (in parallel) and the input dimension (vectorised),
@@ -57,9 +61,10 @@ def matvec(ep: torch.export.ExportedProgram, max_rows: int = MAX_ROWS) -> torch.
         rows, n = math.prod(shape[:-1]), w.meta["val"].shape[0]
         if rows > max_rows:
             continue
+        stored = _stored_weight(w, x.meta["val"].dtype)
         with g.inserting_before(node):
-            if w.op == "placeholder":
-                new = [g.call_function(torch.ops.specc.rows_linear.default, (x, w))]
+            if stored is not None:
+                new = [g.call_function(torch.ops.specc.rows_linear.default, (x, stored))]
             else:
                 new = _row_sums(g, x, w, rows, shape, n)
             if b is not None:
@@ -67,9 +72,26 @@ def matvec(ep: torch.export.ExportedProgram, max_rows: int = MAX_ROWS) -> torch.
         _propagate_meta(new)
         node.replace_all_uses_with(new[-1])
         g.erase_node(node)
+        if w is not stored and stored is not None and not w.users:  # the cast rows_linear does in registers
+            g.erase_node(w)
     g.lint()
     ep.graph_module.recompile()
     return ep
+
+
+CASTS = (aten.to.dtype, aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+
+
+def _stored_weight(w, dtype):
+    """The placeholder rows_linear can read the weight from: the weight itself, or the int8 tensor an
+    int8 weight is cast from (the cast becomes rows_linear's, done in registers); None for any other
+    weight computed in the graph."""
+    if w.op == "placeholder":
+        return w
+    if (w.op == "call_function" and w.target in CASTS and w.args[0].op == "placeholder"
+            and w.args[0].meta["val"].dtype == torch.int8 and w.meta["val"].dtype == dtype):
+        return w.args[0]
+    return None
 
 
 def _row_sums(g, x, w, rows: int, shape: list, n: int) -> list:

@@ -262,8 +262,9 @@ def write_manifest(stage: Path, cfg: CompileConfig, target, modules: EngineModul
 
 
 def cpu_kernels_used(cfg: CompileConfig) -> bool:
-    """Whether an engine's graphs may call the specc_cpu products: Inductor on CPU, with float32 products
-    (rows_linear's body) or GGUF blocks (gguf_linear's), where the products built here."""
+    """Whether an engine's graphs may call the specc_cpu products: Inductor on CPU, with float32 activations
+    (rows_linear's body, over float32 or int8 weights) or GGUF blocks (gguf_linear's), where the
+    products built here."""
     from specc.kernels.cpu_kernels import load_cpu_kernel
 
     return cfg.backend == "inductor" and torch.device(cfg.device or "cpu").type == "cpu" \

@@ -667,8 +667,9 @@ def test_gguf_cpu_product_matches_the_weights(fmt):
 @pytest.mark.parametrize("k", [16, 96, 577])  # 577: a masked tail of 1
 def test_dense_cpu_product_matches_float64(k):
     """dense_cpu.cpp's product against float64 for 1..17 rows (past a tile of 8) and odd output
-    counts; each row's result is the same bit for bit alone and among others; rows_linear's CPU body
-    calls it at 1 row and from KERNEL_MIN_ROWS; bad shapes are refused."""
+    counts, over float32 and int8 weights; each row's result is the same bit for bit alone and among
+    others; rows_linear's CPU body calls it (float32: at 1 row and from KERNEL_MIN_ROWS); bad shapes
+    are refused."""
     from specc.kernels.cpu_kernels import load_cpu_kernel, load_error
     from specc.kernels.rows_linear import KERNEL_MIN_ROWS
 
@@ -684,6 +685,14 @@ def test_dense_cpu_product_matches_float64(k):
         if rows == 1 or rows >= KERNEL_MIN_ROWS:
             assert torch.equal(ops.rows_linear(x, w), out)
         torch.testing.assert_close(K.rows_linear_reference(x, w), out, atol=1e-4, rtol=1e-5)
+    w8 = torch.randint(-127, 128, (67, k), generator=gen(k + 1), dtype=torch.int8)
+    for rows in (1, 2, 5, 9):
+        x = torch.randn(1, rows, k, generator=gen(rows))
+        out = torch.ops.specc_cpu.dense_matvec(x, w8)
+        torch.testing.assert_close(out.double(), x.double() @ w8.double().T, atol=1e-3, rtol=1e-5)
+        assert torch.equal(torch.ops.specc_cpu.dense_matvec(x[:, :1], w8), out[:, :1])
+        torch.testing.assert_close(ops.rows_linear(x, w8), out, atol=1e-3, rtol=1e-5)
+        torch.testing.assert_close(K.rows_linear_reference(x, w8), out, atol=1e-3, rtol=1e-5)
     with pytest.raises(RuntimeError, match="inputs"):
         torch.ops.specc_cpu.dense_matvec(torch.randn(2, k + 1), w)
     with pytest.raises(RuntimeError, match="float32"):

@@ -356,16 +356,32 @@ def test_matvec_rewrites_few_row_linears_only(arch, T):
 
 
 @torch.no_grad()
-def test_matvec_writes_out_products_of_computed_weights():
-    """An int8 weight cast in the graph keeps the reduction in the graph (Inductor fuses the cast into
-    its loop; rows_linear's C++ body would need the float weight made first), its rows stored once."""
+def test_matvec_reads_int8_weights_in_rows_linear():
+    """An int8 weight cast in the graph (--quant int8) goes to rows_linear as the int8 tensor, the cast
+    with it; a weight computed otherwise keeps the reduction in the graph, its rows stored once."""
     mod, x = HeadThenRow(), torch.randn(1, 3, 16)
     ep = matvec(capture(mod, (x, torch.tensor(3))))
+    assert op_count(ep, torch.ops.specc.rows_linear.default) == 1 and op_count(ep, torch.ops.aten.linear.default) == 0
+    (node,) = [n for n in ep.graph.nodes if n.target is torch.ops.specc.rows_linear.default]
+    assert node.args[1].op == "placeholder" and node.args[1].meta["val"].dtype == torch.int8
+    assert op_count(ep, torch.ops.aten.to.dtype) == 1  # the logits' own cast; the weight's is gone
+    for n in (1, 3):
+        torch.testing.assert_close(ep.module()(x, torch.tensor(n))[0], mod(x, torch.tensor(n))[0], rtol=1e-5, atol=1e-3)
+
+    class Doubled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(V, 16))
+
+        def forward(self, x):
+            return nn.functional.linear(x, self.w * 2)
+
+    mod = Doubled().requires_grad_(False)
+    ep = matvec(capture(mod, (x,)))
     assert op_count(ep, torch.ops.specc.rows_linear.default) == 0 and op_count(ep, torch.ops.aten.linear.default) == 0
     assert op_count(ep, torch.ops.aten.sum.dim_IntList) == 3
     assert op_count(ep, torch.ops.prims.inductor_force_stride_order.default) == 1
-    for n in (1, 3):
-        torch.testing.assert_close(ep.module()(x, torch.tensor(n))[0], mod(x, torch.tensor(n))[0], rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(ep.module()(x), mod(x), rtol=1e-5, atol=1e-4)
 
 
 # --------------------------------------------------------------------------- last_row_head
