@@ -8,8 +8,9 @@ that figure was measured on, because a drafter's speed depends on the text: ngra
 drafts by copying what the context already holds, so it pays on code and repetitive text and
 barely on open chat. --drafter and --tree run another configuration instead.
 
-The first run compiles the graphs with AOTInductor (a few minutes on 2 cores); later runs reuse
-the compile cache in ~/.cache/specc and take seconds.
+The first run compiles the graphs with AOTInductor (up to about 10 minutes on 2 cores for an
+adaptive engine's family of 17 graphs); later runs reuse the compile cache in ~/.cache/specc and
+take seconds.
 """
 import argparse
 import re

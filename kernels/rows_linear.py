@@ -17,10 +17,10 @@ from torch import Tensor
 from .cpu_kernels import load_cpu_kernel
 
 # Whole step graphs of SmolLM2 on the AVX-512 EPYC, 2026-12-04 (BENCHMARKS.md "Cost curve of the step
-# graphs 3"): the C++ product wins at 1 row (plain step 14.5 ms, 16.6 with the reduction) and from 5
-# (8 rows: 17.7 against 29.0), the reduction at 2-4 rows (2 rows: 13.7-13.9 against 14.7-15.3).
-# int8 weights (SmolLM2's 211 products, 135 MB): the C++ product at every row count, 3.3 / 3.2 / 3.7 /
-# 6.6 ms at 1 / 2 / 4 / 8 rows against the reduction's 3.5 / 3.3 / 5.2 / 11.3.
+# graphs, 2026-12-04"): the C++ product wins at 1 row (plain step 12.9 ms, 16.2 with the reduction) and
+# from 5 (8 rows: 17.3 against 29.3), the reduction at 2-4 rows (2 rows: 13.4-13.9 against 14.7-15.3
+# with the C++ product). int8 weights (the 211 products alone, 135 MB): the C++ product at every row
+# count, 3.3 / 3.2 / 3.7 / 6.6 ms at 1 / 2 / 4 / 8 rows against the reduction's 3.5 / 3.3 / 5.2 / 11.3.
 KERNEL_MIN_ROWS = 5
 
 
