@@ -6,8 +6,9 @@ bytes. Three formats:
 * int8 (`Int8WeightOnly`): each [out, in] product weight as int8 with one float scale per output
   row (symmetric, round to nearest: w ~= q * scale[out]), a quarter of float32's bytes. The product
   keeps the scale outside the reduction, `F.linear(x, q.to(x.dtype)) * scale`, so the `matvec` pass
-  turns a few-row product into a reduction that reads the int8 weight and converts it in registers
-  (Inductor fuses the cast into the loop); larger products (prefill chunks) cast and call the GEMM.
+  hands a few-row product the int8 weight itself (`specc::rows_linear`: on CPU a C++ product that
+  widens it in registers, elsewhere a reduction Inductor fuses the cast into); larger products
+  (prefill chunks) cast and call the GEMM.
   Quantization is a pure function of the float weights, so an engine stores its target's float
   weights and `specc.load` quantizes them again to the very same tensors.
 * int4 (`Int4WeightOnly`): blocks of 32 weights along the input, each with a float16 scale and
