@@ -170,6 +170,9 @@ def cmd_inspect(a) -> int:
               f"{corpus['min_lookup']} tokens")
     print(f"backend     {m['backend']} on {m.get('device', 'cpu')}, dtype {m['dtype']}, max_len {m['max_len']}, "
           f"prefill chunk {m['prefill_chunk']}")
+    if m.get("cpu_kernels") or m.get("quant", {}).get("cpu_kernel"):
+        print("native      the few-row products call specc's C++ CPU products (kernels/*_cpu.cpp), built for "
+              "the loading machine on first use")
     print(f"modes       {', '.join(m['modes'])} (one graph per mode for each graph that samples)")
     if "quant" in m:
         q, b = m["quant"], m["quant"]["bytes_per_token"]

@@ -68,7 +68,7 @@ def test_separate_draft_model(llama_dir, tmp_path, monkeypatch):
     assert res.token_ids == hf_greedy(model, PROMPT, 25)
 
 
-def test_inductor_matches_eager_and_caches(llama_dir, tmp_path, monkeypatch):
+def test_inductor_matches_eager_and_caches(llama_dir, tmp_path, monkeypatch, capsys):
     """AOTInductor engine: same tokens as HF (greedy) and as the eager engine (sampling, same seed);
     compiling the same model again reuses the compile cache (no AOTInductor compile at all). A
     draft model, so that its graphs go through Inductor too (the SmolLM2 tests run it eager)."""
@@ -92,6 +92,9 @@ def test_inductor_matches_eager_and_caches(llama_dir, tmp_path, monkeypatch):
     from specc.kernels import cpu_kernels
 
     assert json.loads((ind / "specc.json").read_text())["cpu_kernels"] is True
+    from specc.cli import main as cli_main
+
+    assert cli_main(["inspect", str(ind)]) == 0 and "C++ CPU products" in capsys.readouterr().out
     monkeypatch.setitem(cpu_kernels._state, "loaded", False)
     with pytest.raises(SpeccError, match="C\\+\\+ CPU products, which could not be built here"):
         specc.load(ind)
