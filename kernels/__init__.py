@@ -12,9 +12,11 @@ Importing this package registers the ops under the `specc` namespace:
   file's Q8_0 / Q4_0 / Q4_1 blocks, dequantised in the kernel (gguf_linear.py). Its CPU body calls
   ``torch.ops.specc_cpu.gguf_matvec`` for a few rows, a C++ product built for the machine on first
   use (gguf_cpu.cpp, cpu_kernels.py), where a compiler is found; else the reference;
-* ``torch.ops.specc.rows_linear(x, w)`` -- x @ w.T for the few rows of a decode step (the `matvec`
-  pass puts it in; rows_linear.py): a streaming reduction Inductor fuses, or on CPU float32 the C++
-  product ``torch.ops.specc_cpu.dense_matvec`` (dense_cpu.cpp) where it builds.
+* ``torch.ops.specc.rows_linear(x, w)`` -- x @ w.T for the few rows of a decode step, w float or
+  int8 (the `matvec` pass puts it in; rows_linear.py): on CPU the C++ product
+  ``torch.ops.specc_cpu.dense_matvec`` (dense_cpu.cpp) where it builds and was measured faster,
+  else a streaming reduction Inductor fuses. It has no Triton kernel: on CUDA that reduction is what
+  Inductor compiles (not yet run on a GPU).
 
 On CPU tensors each op runs its torch reference; on CUDA tensors it runs the Triton kernel. Triton
 stays optional at run time: without it this package still imports, and CUDA calls fall back to the

@@ -1,13 +1,15 @@
-// specc_cpu::dense_matvec: a few float32 rows times a float32 or int8 [N, K] weight, on CPU (kernels/cpu_kernels.py builds
-// it for the machine it runs on); the body of specc::rows_linear (rows_linear.py) on CPU float32.
+// specc_cpu::dense_matvec: a few float32 rows times a float32 or int8 [N, K] weight, on CPU
+// (kernels/cpu_kernels.py builds it for the machine it runs on); the body of specc::rows_linear
+// (rows_linear.py) on CPU.
 //
 // Why by hand: Inductor's reduction over the weight (the `matvec` pass's form) streams it at the
-// memory's speed for one row, but its loop does not prefetch, so once 4-16 rows of multiply-adds
-// slow each weight line down it waits on memory instead of overlapping with it (measured on SmolLM2's
-// 211 products: 15.7 ms at 4 rows, 24.3 at 8, 50.6 at 16, where one row takes 14.7). Here each tile of
-// up to 8 input rows times 4 weight rows (2 beyond 4 input rows: at most 16 accumulators) stays in
-// registers and the weight is prefetched 8 KB ahead of the lines it reads (from 2 rows: for one, the
-// extra instructions cost more than they save, 13.3 against 12.7 ms). An int8 weight (--quant int8:
+// memory's speed for one or two rows, but its loop does not prefetch, so once more rows of
+// multiply-adds slow each weight line down it waits on memory instead of overlapping with it
+// (SmolLM2's decode-step products, examples/bench_products.py: 24.9 ms at 8 rows where one row takes
+// 11.5; this product 15.6). Here each tile of up to 8 input rows times 4 weight rows (2 beyond 4
+// input rows: at most 16 accumulators) stays in registers and the weight is prefetched 8 KB ahead of
+// the lines it reads (from 2 rows for float32: at one the hardware's prefetch keeps up, and a
+// throwaway build of both measured 12.7 without against 13.3 ms with). An int8 weight (--quant int8:
 // its per-row scale is applied after the product, in the graph) is widened to float in registers, a
 // quarter of the bytes for the same multiply-adds.
 //
@@ -28,7 +30,7 @@
 namespace {
 
 constexpr int64_t LANES = 16;
-constexpr int64_t PREFETCH_BYTES = 8192;  // ahead of each weight row's read (measured: 4-16 KB alike)
+constexpr int64_t PREFETCH_BYTES = 8192;  // ahead of each weight row's read (a throwaway sweep: 4-16 KB alike)
 constexpr int64_t MAX_R = 8;              // input rows per tile: 8 x 2 accumulators leave registers to spare
 constexpr int64_t BLOCK_N = 32;           // weight rows per block: its lines stay in L1/L2 across row groups
 

@@ -19,8 +19,9 @@ from .cpu_kernels import load_cpu_kernel
 # Whole step graphs of SmolLM2 on the AVX-512 EPYC, 2026-12-04 (BENCHMARKS.md "Cost curve of the step
 # graphs, 2026-12-04"): the C++ product wins at 1 row (plain step 12.9 ms, 16.2 with the reduction) and
 # from 5 (8 rows: 17.3 against 29.3), the reduction at 2-4 rows (2 rows: 13.4-13.9 against 14.7-15.3
-# with the C++ product). int8 weights (the 211 products alone, 135 MB): the C++ product at every row
-# count, 3.3 / 3.2 / 3.7 / 6.6 ms at 1 / 2 / 4 / 8 rows against the reduction's 3.5 / 3.3 / 5.2 / 11.3.
+# with the C++ product). int8 weights take the C++ product at every row count: it wins from 4 rows
+# (8 rows: 6.6 against 10.2 ms for the products alone, "Decode-step products alone"), is within 10%
+# at 1-2, and one product keeps plain and step graphs computing each row alike.
 KERNEL_MIN_ROWS = 5
 
 

@@ -1,0 +1,146 @@
+"""The few-row products of one decode step alone: specc's C++ product against Inductor's reduction.
+
+    python examples/bench_products.py [--weights float32,int8] [--rows 1,2,4,8] [--calls 10]
+        [--rounds 5] [--json] [--write BENCHMARKS.md]
+
+Every product weight of SmolLM2-135M-Instruct (random values of the real shapes: each layer's fused
+q/k/v, output, gate/up and down projections, and the LM head) applied to R rows, in one graph that
+the `matvec` pass rewrites and AOTInductor compiles, twice per weight format and row count: with
+`specc::rows_linear`'s C++ product at every row count, and with the C++ product turned off (its
+reference: the reduction Inductor compiles). The weights are graph inputs, so the packages share
+one copy. Each round times every package in turn; figures are medians over all calls. The last
+column says which of the two the compiler picks at that row count (kernels/rows_linear.py).
+"""
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig
+
+from specc import benchfile
+from specc.kernels import cpu_kernels
+from specc.kernels import rows_linear as rl
+from specc.models import resolve_model
+from specc.passes.matvec import matvec
+from specc.pipeline import capture
+
+
+def shapes(config) -> list[tuple[int, int]]:
+    """[out, in] of every product a decode step runs, in order."""
+    h, kv = config.hidden_size, config.num_key_value_heads * (config.hidden_size // config.num_attention_heads)
+    layer = [(h + 2 * kv, h), (h, h), (2 * config.intermediate_size, h), (h, config.intermediate_size)]
+    return layer * config.num_hidden_layers + [(config.vocab_size, h)]
+
+
+class Products(nn.Module):
+    """Each product of x (or of its wider sibling for the down projections) with its weight, each
+    output summed so that every column is computed and the result stays small."""
+
+    def __init__(self, int8: bool):
+        super().__init__()
+        self.int8 = int8
+
+    def forward(self, x, x_wide, *weights):
+        outs = []
+        for i in range(0, len(weights), 2 if self.int8 else 1):
+            w = weights[i]
+            inp = x if w.shape[1] == x.shape[-1] else x_wide
+            y = nn.functional.linear(inp, w.to(inp.dtype)) * weights[i + 1] if self.int8 else nn.functional.linear(inp, w)
+            outs.append(y.sum(-1))
+        return torch.stack(outs, -1)
+
+
+def compile_products(int8: bool, rows: int, cpp: bool, args: tuple, out: Path):
+    """An AOTInductor package of the products at `rows` rows, with the C++ product at every row count
+    or turned off."""
+    saved_state, saved_min = dict(cpu_kernels._state), rl.KERNEL_MIN_ROWS
+    try:
+        if cpp:
+            rl.KERNEL_MIN_ROWS = 1
+        else:
+            cpu_kernels._state["loaded"] = False
+        ep = matvec(capture(Products(int8), args))
+        path = torch._inductor.aoti_compile_and_package(ep, package_path=str(out))
+    finally:
+        cpu_kernels._state.clear()
+        cpu_kernels._state.update(saved_state)
+        rl.KERNEL_MIN_ROWS = saved_min
+    return torch._inductor.aoti_load_package(path)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--weights", default="float32,int8")
+    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--calls", type=int, default=10, help="calls per package per round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--write", metavar="BENCHMARKS.md")
+    a = ap.parse_args()
+    formats, row_counts = a.weights.split(","), sorted({int(r) for r in a.rows.split(",")})
+    if any(f not in ("float32", "int8") for f in formats) or row_counts[0] < 1 or row_counts[-1] > 16 \
+            or a.calls < 1 or a.rounds < 1:
+        print("error: --weights takes float32 and int8, --rows 1 to 16, --calls and --rounds at least 1.",
+              file=sys.stderr)
+        return 2
+    if not cpu_kernels.load_cpu_kernel():
+        print(f"error: specc's C++ CPU products could not be built here ({cpu_kernels.load_error()}).",
+              file=sys.stderr)
+        return 2
+    cmd = benchfile.command_line()
+    config = AutoConfig.from_pretrained(resolve_model(None)[0])
+    gen = torch.Generator().manual_seed(0)
+    weights, nbytes = {}, {}
+    for f in formats:
+        ws = []
+        for n, k in shapes(config):
+            if f == "int8":
+                ws += [torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8), torch.rand(n, generator=gen)]
+            else:
+                ws.append(torch.randn(n, k, generator=gen))
+        weights[f], nbytes[f] = ws, sum(w.numel() * w.element_size() for w in ws)
+
+    calls = {}  # (format, rows, cpp) -> (package, args)
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in formats:
+            for r in row_counts:
+                args = (torch.randn(1, r, config.hidden_size, generator=gen),
+                        torch.randn(1, r, config.intermediate_size, generator=gen), *weights[f])
+                for cpp in (True, False):
+                    if not a.json:
+                        print(f"compiling {f} x {r} rows, {'C++ product' if cpp else 'reduction'}", file=sys.stderr)
+                    pkg = compile_products(f == "int8", r, cpp, args, Path(tmp) / f"{f}-{r}-{cpp}.pt2")
+                    calls[(f, r, cpp)] = (pkg, args)
+        ms = {key: [] for key in calls}
+        for _ in range(a.rounds):
+            for key, (pkg, args) in calls.items():
+                for _ in range(2):
+                    pkg(*args)
+                for _ in range(a.calls):
+                    t = time.perf_counter()
+                    pkg(*args)
+                    ms[key].append(1000 * (time.perf_counter() - t))
+    med = {key: statistics.median(v) for key, v in ms.items()}
+
+    gb_s = benchfile.machine()["matvec_gb_s"]
+    rows_out = [{"weights": f, "rows": r, "cpp_ms": round(med[(f, r, True)], 3), "reduction_ms": round(med[(f, r, False)], 3),
+                 "specc_uses": "C++" if rl.kernel_rows(r, torch.int8 if f == "int8" else torch.float32) else "reduction"}
+                for f in formats for r in row_counts]
+    lines = ["| weights | MB | rows | C++ product ms | reduction ms | specc uses |", "|---|---|---|---|---|---|"]
+    for row in rows_out:
+        lines.append(f"| {row['weights']} | {nbytes[row['weights']] / 1e6:.0f} | {row['rows']} | {row['cpp_ms']:.2f} | "
+                     f"{row['reduction_ms']:.2f} | {row['specc_uses']} |")
+    setup = (f"SmolLM2-135M-Instruct's {len(shapes(config))} decode-step products (random weights of the real shapes) "
+             f"through AOTInductor after the matvec pass, {a.calls} calls per package per round x {a.rounds} rounds, "
+             f"medians. For scale: MKL's sgemv reads {gb_s} GB/s here (the machine line).")
+    run = benchfile.new_run("Decode-step products alone", [], cmd, products=rows_out)
+    return benchfile.finish(a, run, setup, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
