@@ -18,9 +18,7 @@ overwritten (the rule needs them drawn from q): the config refuses that pairing.
 """
 from __future__ import annotations
 
-import numpy as np
-
-from .drafters.ngram import MAX_NGRAM, MIN_NGRAM, ngram_continuations
+from .drafters.ngram import MAX_NGRAM, MIN_NGRAM, MatchIndex, ngram_continuations
 from .tree import Tree, tree_from_paths
 
 
@@ -59,12 +57,13 @@ class NgramBranch:
         top = next(j for j in roots if tree.ranks[j] == entry["rank"])
         self.branch = [top] + rank0_line(tree, top, self.depth - 1)
         self.model_roots = [j for j in roots if j != self.branch[0]]  # the model's depth-1 nodes, by rank
+        self.index = MatchIndex(self.max_ngram)  # follows the text from call to call (a new one: re-indexed)
 
     def merge(self, tokens: list[int], committed: list[int]) -> tuple[list[int], list[int]]:
         """tokens: the tree's [root, drafts...] as drafted; committed: the text, ending with the root.
         Returns the tokens with the continuation written in, and the nodes it wrote."""
-        found = ngram_continuations(np.asarray(committed, dtype=np.int64), self.depth, self.max_ngram,
-                                    self.min_ngram, limit=1)
+        found = ngram_continuations(None, self.depth, self.max_ngram, self.min_ngram, limit=1,
+                                    index=self.index.sync(committed))
         if not found:
             return tokens, []
         cont, out = found[0], list(tokens)

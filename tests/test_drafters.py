@@ -150,3 +150,34 @@ def test_sampled_drafts_draw_each_slot_from_its_depth():
     assert torch.allclose(q, want.float(), atol=1e-6)
     assert (counts / 2000 - want).abs().max() < 0.05  # draws follow q (top-p zeros stay zero)
     assert (counts[want == 0] == 0).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=120), st.lists(st.integers(1, 9), min_size=1, max_size=12),
+       st.integers(1, 4))
+def test_match_index_agrees_with_the_scan_as_the_text_grows(tokens, cuts, max_ngram):
+    """The index (kept up to date step by step) and the reference scan find the same occurrences,
+    continuations and confidences at every length the text passes through; a different text re-indexes."""
+    from specc.drafters.ngram import (MAX_OCCURRENCES, MatchIndex, _match_ends, ngram_confidences,
+                                      ngram_continuations, ngram_tree_drafts)
+    from specc.tree import tree_from_paths
+
+    tree = tree_from_paths([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
+    index, n = MatchIndex(max_ngram), 1
+    for cut in cuts + [len(tokens)]:
+        n = min(len(tokens), n + cut)
+        text = tokens[:n]
+        arr = np.array(text, dtype=np.int64)
+        index.sync(text)
+        for size in range(1, max_ngram + 2):
+            want = _match_ends(arr, size)[:MAX_OCCURRENCES].tolist() if size < n else []
+            assert index.earlier_ends(size) == want
+        for limit in (1, 16):
+            conts = ngram_continuations(arr, 4, max_ngram, 1, limit)
+            assert ngram_continuations(None, 4, max_ngram, 1, limit, index=index) == conts
+        drafts = ngram_tree_drafts(ngram_continuations(arr, 3, max_ngram, 1), tree, text[-1])
+        assert (ngram_confidences(None, tree, drafts, max_ngram, 1, index)
+                == ngram_confidences(arr, tree, drafts, max_ngram, 1))
+    other = [t + 1 for t in tokens[:5]] + [9, 9]
+    index.sync(other)
+    assert index.tokens == other and index.earlier_ends(1) == _match_ends(np.array(other), 1).tolist()

@@ -147,15 +147,16 @@ def ngram_propose(tokens: np.ndarray, k: int, max_ngram: int = 4, min_ngram: int
     return found[0] if found else []
 
 
-def ngram_continuations(tokens: np.ndarray, k: int, max_ngram: int = 4, min_ngram: int = 1,
-                        limit: int = 16) -> list[list[int]]:
+def ngram_continuations(tokens, k: int, max_ngram: int = 4, min_ngram: int = 1, limit: int = 16,
+                        index: "MatchIndex | None" = None) -> list[list[int]]:
     """Up to `limit` distinct continuations (each at most k tokens) that followed earlier occurrences
     of a suffix of `tokens` (the MAX_OCCURRENCES most recent per suffix length): longer suffixes
-    first, by_frequency within a length. The first one is what `ngram_propose` returns."""
-    n, found = len(tokens), []
-    for size in range(min(max_ngram, n - 1), min_ngram - 1, -1):
-        ends = _match_ends(tokens, size)[:MAX_OCCURRENCES]
-        for cont in by_frequency([tokens[e: e + k].tolist() for e in ends]):
+    first, by_frequency within a length. The first one is what `ngram_propose` returns. With an
+    `index` of the same text (MatchIndex), the occurrences come from it instead of a scan."""
+    text, found = _text(tokens, index), []
+    for size in range(min(max_ngram, len(text) - 1), min_ngram - 1, -1):
+        ends = _earlier_ends(tokens, size, index)
+        for cont in by_frequency([text[e: e + k] for e in ends]):
             if cont and cont not in found:
                 found.append(cont)
                 if len(found) == limit:
@@ -185,18 +186,65 @@ def _match_ends(tokens: np.ndarray, size: int) -> np.ndarray:
     return np.flatnonzero((windows == tokens[n - size:]).all(axis=1))[::-1] + size
 
 
-def ngram_confidences(tokens: np.ndarray, tree: Tree, drafts: list[int], max_ngram: int = 4,
-                      min_ngram: int = 1) -> tuple[int, list[float]]:
+class MatchIndex:
+    """Where every n-gram of 1..max_ngram tokens of a growing text ended, kept up to date as the text
+    grows: a lookup is a dict read instead of `_match_ends`'s scan of the whole text, which costs
+    the host ~0.1 ms per suffix length per step at a few hundred tokens (a step's budget on a GPU
+    is ~1-2 ms for a small model). The scan stays as the reference; tests compare the two."""
+
+    def __init__(self, max_ngram: int):
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = []
+        self.ends: list[dict] = [{} for _ in range(max_ngram + 1)]  # [size][n-gram] -> end positions, oldest first
+
+    def sync(self, text) -> "MatchIndex":
+        """Index `text`: the tokens it adds to the indexed text, or all of it when it is another text."""
+        m = len(self.tokens)
+        if len(text) < m or list(text[:m]) != self.tokens:
+            self.tokens, self.ends, m = [], [{} for _ in range(self.max_ngram + 1)], 0
+        toks = self.tokens
+        for t in text[m:]:
+            toks.append(int(t))
+            end = len(toks)
+            for size in range(1, min(self.max_ngram, end) + 1):
+                self.ends[size].setdefault(tuple(toks[end - size:]), []).append(end)
+        return self
+
+    def earlier_ends(self, size: int, limit: int = MAX_OCCURRENCES) -> list[int]:
+        """`_match_ends(text, size)[:limit]`: where the continuations of the earlier occurrences of
+        the text's last `size` tokens start, the most recent first."""
+        n = len(self.tokens)
+        if size >= n:
+            return []
+        if size > self.max_ngram:
+            return _match_ends(np.asarray(self.tokens, dtype=np.int64), size)[:limit].tolist()
+        ends = self.ends[size].get(tuple(self.tokens[n - size:]), [])
+        return ends[-2::-1][:limit]  # the last one is the suffix itself
+
+
+def _text(tokens, index: MatchIndex | None) -> list[int]:
+    return index.tokens if index is not None else np.asarray(tokens).tolist()
+
+
+def _earlier_ends(tokens, size: int, index: MatchIndex | None) -> list[int]:
+    if index is not None:
+        return index.earlier_ends(size)
+    return _match_ends(np.asarray(tokens, dtype=np.int64), size)[:MAX_OCCURRENCES].tolist()
+
+
+def ngram_confidences(tokens, tree: Tree, drafts: list[int], max_ngram: int = 4,
+                      min_ngram: int = 1, index: MatchIndex | None = None) -> tuple[int, list[float]]:
     """The match statistics behind each drafted node: the class, the length of the longest suffix
     that occurs before, less 1 (0 when nothing matches); and per node, in [0, 1], over that suffix's
     earlier occurrences (up to MAX_OCCURRENCES, the most recent) the share of those whose
     continuation agrees with the node's parent path that also agree with the node,
-    `agree(node) / (agree(parent) + 1)` (the +1: one occurrence is weak evidence)."""
-    n, conts = len(tokens), None
-    for size in range(min(max_ngram, n - 1), min_ngram - 1, -1):
-        ends = _match_ends(tokens, size)
-        if len(ends):
-            conts = [tuple(tokens[e: e + tree.max_depth].tolist()) for e in ends[:MAX_OCCURRENCES]]
+    `agree(node) / (agree(parent) + 1)` (the +1: one occurrence is weak evidence). `index` as in
+    ngram_continuations."""
+    text, conts = _text(tokens, index), None
+    for size in range(min(max_ngram, len(text) - 1), min_ngram - 1, -1):
+        ends = _earlier_ends(tokens, size, index)
+        if ends:
+            conts = [tuple(text[e: e + tree.max_depth]) for e in ends]
             break
     if conts is None:
         return 0, [0.0] * (tree.size - 1)
@@ -274,16 +322,15 @@ class NgramDrafter:
         self.limit = max(1, len(tree.children[0])) * 4
 
     def start(self, prompt_ids: list[int], mode: str, temperature, top_p, table=None) -> None:
-        self.buf = np.array(prompt_ids, dtype=np.int64)
+        self.index = MatchIndex(self.max_ngram).sync(prompt_ids)
 
     def _lookup(self, min_ngram: int, max_ngram: int | None = None) -> list[list[int]]:
-        return ngram_continuations(self.buf, self.tree.max_depth, max_ngram or self.max_ngram, min_ngram,
-                                   limit=1 if self.tree.is_chain else self.limit)
+        return ngram_continuations(None, self.tree.max_depth, max_ngram or self.max_ngram, min_ngram,
+                                   limit=1 if self.tree.is_chain else self.limit, index=self.index)
 
     def propose(self, committed: list[int]) -> tuple[list[int], bool]:
         """Drafts for the tree's non-root nodes, and whether anything matched (else the step can be plain)."""
-        if len(self.buf) < len(committed):
-            self.buf = np.asarray(committed, dtype=np.int64)
+        self.index.sync(committed)
         self.from_corpus = None
         if self.corpus is None:
             conts = self._lookup(self.min_ngram)
@@ -305,7 +352,7 @@ class NgramDrafter:
         if self.from_corpus is not None:
             used, conf = self.from_corpus
             return [self.max_ngram + max(n, 1) - 1 for n in used], conf
-        return ngram_confidences(self.buf, self.tree, self.drafts, self.max_ngram, self.min_ngram)
+        return ngram_confidences(None, self.tree, self.drafts, self.max_ngram, self.min_ngram, self.index)
 
     def accepted(self, committed: list[int], n_accepted: int) -> None:
-        self.buf = np.asarray(committed, dtype=np.int64)
+        self.index.sync(committed)
