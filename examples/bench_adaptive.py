@@ -2,8 +2,10 @@
 
 For each tree in --trees, one engine per --variant of --drafter (ngram, or dspark: its family is
 fused steps chosen from its confidence head): `fixed` (the tree verified whole every step),
-`adaptive` (compiled with --adaptive: the tree as a family of step graphs), and for ngram the same
-with `+lookup` (prompt lookup alone, no corpus table), all on the same backend. On each prompt set,
+`adaptive` (compiled with --adaptive: the tree as a family of step graphs; greedy choices read the
+step times measured as it runs), `adaptive-compiled` (the same engine choosing from its compiled
+latency table alone), and for ngram the first two with `+lookup` (prompt lookup alone, no corpus
+table), all on the same backend. On each prompt set,
 each prompt runs plain (through the first engine) and every engine back to back, --rounds times,
 the order rotated every round. Figures: per method the median over rounds of the median tokens/s
 over prompts (decode and prefill, the whole generate() call), tau, and how often the adaptive
@@ -11,7 +13,7 @@ engines ran each graph of their family (plain: plain decoding, or a resting draf
 outputs are checked identical.
 
 Usage: python examples/bench_adaptive.py [--drafter ngram|dspark] [--block-size B] [--trees chain:4,chain:8]
-           [--variants fixed,adaptive,adaptive+lookup]
+           [--variants fixed,adaptive,adaptive-compiled,adaptive+lookup]
            [--backend inductor] [--quant none|int8|int4|gguf] [--limit 10] [--max-new-tokens 128] [--rounds 3] [--datasets humaneval,mt-bench]
            [--engines DIR] [--write BENCHMARKS.md] [--json]
 A tree may be a JSON file of paths (as for `specc compile --tree`).
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import specc
 from specc import benchfile
+from specc.adaptive import MIN_TIMED
 from specc.data import load_prompts
 from specc.models import quiet_libraries
 
@@ -53,7 +56,8 @@ def engine_dir(root: Path, drafter: str, tree: str, backend: str, variant: str, 
 
 def label(drafter: str, tree: str, variant: str, quant: str = "none") -> str:
     words = [drafter, Path(tree).stem if tree.endswith(".json") else tree] + (
-        ["adaptive"] if variant.startswith("adaptive") else [])
+        ["adaptive"] if variant.startswith("adaptive") else []) + (
+        ["(compiled latencies)"] if variant.endswith("-compiled") else [])
     if drafter == "ngram":
         words.append("(prompt lookup only)" if variant.endswith("+lookup") else "+ ShareGPT table")
     return " ".join(words + ([f"{quant} weights"] if quant != "none" else []))
@@ -86,13 +90,16 @@ def main() -> int:
     trees = a.trees.split(",")
     engines = {}
     variants = a.variants.split(",")
-    if any(v not in ("fixed", "adaptive", "fixed+lookup", "adaptive+lookup") for v in variants) or (
+    if any(v not in ("fixed", "adaptive", "adaptive-compiled", "fixed+lookup", "adaptive+lookup") for v in variants) or (
             a.drafter != "ngram" and any(v.endswith("+lookup") for v in variants)):
-        raise SystemExit("--variants takes fixed and adaptive, for ngram also fixed+lookup and adaptive+lookup.")
+        raise SystemExit("--variants takes fixed, adaptive and adaptive-compiled, for ngram also fixed+lookup and "
+                         "adaptive+lookup.")
     for tree in trees:
         for variant in variants:
-            engines[label(a.drafter, tree, variant, a.quant)] = specc.load(
-                engine_dir(Path(a.engines), a.drafter, tree, a.backend, variant, not a.json, a.block_size, a.quant))
+            eng = specc.load(engine_dir(Path(a.engines), a.drafter, tree, a.backend, variant.removesuffix("-compiled"),
+                                        not a.json, a.block_size, a.quant))
+            eng.time_steps = not variant.endswith("-compiled")
+            engines[label(a.drafter, tree, variant, a.quant)] = eng
     plain_engine = next(iter(engines.values()))
     methods = ["plain"] + list(engines)
     model = plain_engine.manifest["target"]["name"]
@@ -148,6 +155,11 @@ def main() -> int:
                 lines.append(f"{m}: family latencies (ms, {rest}{', '.join(fam['graphs'])}) {fam['latency_ms']}; "
                              f"rates by confidence bucket "
                              f"{fam['rates']} (seen {fam['seen']}).")
+                clock = eng.step_clock()
+                if clock is not None:  # what its greedy choices read by the end of this set
+                    timed = ([clock.rest_ms] if clock.rest_ms is not None else []) + clock.latency_ms
+                    lines.append(f"{m}: step times as measured while it ran, the same order (ms; a member run fewer "
+                                 f"than {MIN_TIMED} times: its compiled latency rescaled) {[round(t, 2) for t in timed]}.")
         lines.append("")
     setup = (f"SmolLM2-135M-Instruct, fp32, {a.backend} backend, greedy, {a.max_new_tokens} new tokens per prompt, first "
              f"{a.limit} prompts of each set, chat template on, EOS ignored; warm-up excluded; each prompt runs every "

@@ -22,9 +22,16 @@ confidences to choose from, so it re-probes (one call of the drafter's own graph
 the waiting rows) after 1, 2, 4 ... REST_MAX plain steps, the run doubling while the probes keep
 choosing to rest and starting again at 1 once one speculates.
 
-Lossless by construction: the choice depends only on text already committed, never on the step's
-own uniforms (signature.uniform_columns: a call's draws are the row at its base position, used by
-no other call), and whatever is verified is verified exactly.
+The compiled latencies are one moment of one machine: it may have been busy while it compiled, or
+its memory bandwidth shared differently than now, and attention grows with the context. So a greedy
+generation also times its steps as it runs (StepClock) and chooses from those times: per member
+the median of its last WINDOW steps, a member not yet timed its compiled latency rescaled by how
+the timed ones moved, and a member left untimed for REFRESH steps runs once to be timed again.
+Sampling keeps the compiled table, so that a seed's output stays a function of the engine alone.
+
+Lossless by construction: the choice depends only on text already committed and on times, never
+on the step's own uniforms (signature.uniform_columns: a call's draws are the row at its base
+position, used by no other call), and whatever is verified is verified exactly.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ import bisect
 import math
 import statistics
 import time
+from collections import deque
 
 from .tree import Tree, tree_from_paths
 
@@ -42,6 +50,9 @@ CALIBRATION_PROMPTS = 8
 CALIBRATION_TOKENS = 96
 TIMING_ROUNDS, TIMING_CALLS = 5, 4
 REST_MAX = 32  # the longest run of plain steps between two probes of a resting drafter
+# StepClock: step times kept per member, how many count as its own estimate, and after how many
+# steps without one a member is run again to be timed.
+WINDOW, MIN_TIMED, REFRESH = 16, 3, 1000
 
 
 def step_name(k: int, size: int) -> str:
@@ -117,6 +128,56 @@ def choose(tree: Tree, latency_ms: list[float], table: list[list[float]], confid
 def next_rest_run(last: int) -> int:
     """Plain steps before the next probe, given the last run's length (0: the engine speculated)."""
     return min(2 * last, REST_MAX) if last else 1
+
+
+class StepClock:
+    """Each family member's step time as the engine runs (milliseconds, the whole step: drafting,
+    the graph call and the report's read). `latency_ms` and `rest_ms` are what `choose` takes: a
+    member timed at least MIN_TIMED times reads the median of its last WINDOW times; one not yet
+    timed reads its compiled latency times the median ratio of timed to compiled latency over the
+    timed members (1 before any). Members are the family's graphs by name (plain first) and, in a
+    fused family, `plain` for the drafter resting."""
+
+    def __init__(self, entry: dict):
+        self.entry = entry  # the manifest's `adaptive` entry it started from
+        self.names = list(entry["graphs"])
+        self.compiled = list(entry["latency_ms"])
+        self.rest_name = "plain" if entry.get("rest_ms") is not None else None
+        if self.rest_name:
+            self.names.append(self.rest_name)
+            self.compiled.append(entry["rest_ms"])
+        self.times = {n: deque(maxlen=WINDOW) for n in self.names}
+        self.own: dict[str, float] = {}  # the medians of members timed MIN_TIMED times
+        self.last = {n: 0 for n in self.names}  # the step count at each member's last time
+        self.steps = 0
+        self.estimate = list(self.compiled)
+
+    def record(self, name: str, ms: float) -> None:
+        self.steps += 1
+        times = self.times.get(name)
+        if times is None:  # not a member (a drafter's own graph on the first call)
+            return
+        times.append(ms)
+        self.last[name] = self.steps
+        if len(times) >= MIN_TIMED:
+            self.own[name] = statistics.median(times)
+            ratios = [self.own[n] / c for n, c in zip(self.names, self.compiled) if n in self.own and c > 0]
+            scale = statistics.median(ratios) if ratios else 1.0
+            self.estimate = [self.own.get(n, c * scale) for n, c in zip(self.names, self.compiled)]
+
+    @property
+    def latency_ms(self) -> list[float]:
+        return self.estimate[: len(self.estimate) - bool(self.rest_name)]
+
+    @property
+    def rest_ms(self) -> float | None:
+        return self.estimate[-1] if self.rest_name else None
+
+    def stale(self) -> int | None:
+        """The member (its k, 1 = the first graph) least recently timed, if REFRESH steps ago or
+        more; the resting drafter is never forced (it has no drafts to time the others with)."""
+        k = min(range(len(self.latency_ms)), key=lambda i: self.last[self.names[i]])
+        return k + 1 if self.steps - self.last[self.names[k]] >= REFRESH else None
 
 
 # -- compile time --------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from .adaptive import choose, fused_name, next_rest_run, step_name
+from .adaptive import StepClock, choose, fused_name, next_rest_run, step_name
 from .errors import SpeccError
 from .hybrid import NgramBranch
 from .prefill import prefill, tap_rows
@@ -96,6 +96,7 @@ class Run:
     # next probe, and the length of the current run of them (0: the engine speculates).
     rest_left: int = 0
     rest_run: int = 0
+    clock: StepClock | None = None  # an adaptive greedy generation's step times (Engine.step_clock)
 
 
 @dataclass
@@ -127,6 +128,10 @@ class Engine:
         # Adaptive verification (specc/adaptive.py): the family's latencies and the calibrated rates.
         entry = manifest.get("adaptive") or {}
         self.adaptive = entry if "latency_ms" in entry else None
+        # Greedy adaptive generations choose from step times measured as they run (StepClock; kept
+        # across generations, renewed when `adaptive` is replaced); False: the compiled table alone.
+        self.time_steps = True
+        self._clock: StepClock | None = None
         self._row0 = torch.zeros(1, dtype=torch.int64, device=self.device)  # a one-token call's tap row
         # Read each step's confidences into Stats.confidences (adaptive.calibrate_on_steps sets it).
         self.record_confidences = False
@@ -193,6 +198,8 @@ class Engine:
                   temperature=dev(float(temperature)), top_p=dev(float(top_p)), mode=mode,
                   graphs=self._mode_graphs(mode), signatures=self.signatures(mode), table=table)
         drafter = self.drafter if speculate and self.speculates else None
+        if drafter is not None and mode == "greedy":
+            run.clock = self.step_clock()
         step = (self._plain_step if drafter is None else
                 self._fused_step if self.use_fused and "fused" in run.graphs else self._speculative_step)
         t0 = time.perf_counter()
@@ -211,7 +218,10 @@ class Engine:
             stats.stop = "eos"
             return
         while run.produced < run.budget:
+            t = time.perf_counter()
             report, size = step(run)
+            if run.clock is not None:
+                run.clock.record(run.graph, (time.perf_counter() - t) * 1000)
             n, path, out = split_report(report)
             new = self._commit(run, stats, n, path, out, size, stop_at_eos)
             if drafter is not None:
@@ -220,6 +230,14 @@ class Engine:
             if stats.stop == "eos":
                 return
         stats.stop = "max_len" if run.budget < max_new_tokens else "max_new_tokens"
+
+    def step_clock(self) -> StepClock | None:
+        """The step times an adaptive engine's greedy choices read (None: the compiled table)."""
+        if self.adaptive is None or not self.time_steps:
+            return None
+        if self._clock is None or self._clock.entry is not self.adaptive:
+            self._clock = StepClock(self.adaptive)
+        return self._clock
 
     def _mode_graphs(self, mode: str) -> dict:
         """The mode's graphs by name; with CUDA graphs, its decode calls captured (before any prefill:
@@ -295,8 +313,13 @@ class Engine:
 
     def _choose(self, run: "Run") -> int:
         """The family member for this call's drafts (0: rest the drafter), from their confidences."""
-        k = choose(self.tree, self.adaptive["latency_ms"], self.adaptive["rates"], run.confidence,
-                   self.adaptive.get("rest_ms"))
+        if run.clock is not None:
+            latency, rest = run.clock.latency_ms, run.clock.rest_ms
+        else:
+            latency, rest = self.adaptive["latency_ms"], self.adaptive.get("rest_ms")
+        k = choose(self.tree, latency, self.adaptive["rates"], run.confidence, rest)
+        if run.clock is not None:  # a member untimed for long runs once, so that its time follows the machine
+            k = run.clock.stale() or k
         if k:
             run.rest_run = 0
         return k

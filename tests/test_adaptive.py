@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import specc
-from specc.adaptive import REST_MAX, bucket, choose, expected_tokens, next_rest_run, prefix, rates_from_counts, step_name
+from specc.adaptive import (MIN_TIMED, REFRESH, REST_MAX, WINDOW, StepClock, bucket, choose, expected_tokens,
+                            next_rest_run, prefix, rates_from_counts, step_name)
 from specc.drafters.ngram import ngram_confidences, ngram_continuations, ngram_tree_drafts
 from specc.errors import SpeccError
 from specc.tree import chain, parse_tree
@@ -68,6 +69,39 @@ def test_expected_tokens_of_a_tree_prefix():
         sub = prefix(tree, k)
         assert sub.paths == tree.paths[:k] and sub.parents == tree.parents[:k]
     assert [step_name(k, 4) for k in range(1, 5)] == ["plain", "step2", "step3", "step"]
+
+
+def test_step_clock_estimates_from_the_times_it_measured():
+    """A member's own median once timed MIN_TIMED times; the others their compiled latency scaled
+    by the median ratio of timed to compiled; the last WINDOW times; a member untimed for REFRESH
+    steps comes up to be timed again; a fused family's rest is a member of its own."""
+    entry = {"graphs": ["plain", "step2", "step3", "step"], "latency_ms": [10.0, 12.0, 14.0, 16.0]}
+    clock = StepClock(entry)
+    assert clock.latency_ms == entry["latency_ms"] and clock.rest_ms is None and clock.stale() is None
+    for _ in range(MIN_TIMED - 1):
+        clock.record("plain", 5.0)
+    assert clock.latency_ms == entry["latency_ms"]  # too few times yet
+    clock.record("plain", 5.0)
+    assert clock.latency_ms == [5.0, 6.0, 7.0, 8.0]  # plain runs at half its compiled time: so do the others
+    for _ in range(MIN_TIMED):
+        clock.record("step3", 21.0)
+    assert clock.latency_ms == [5.0, 12.0, 21.0, 16.0]  # ratios 0.5 and 1.5: the untimed keep their own
+    clock.record("prefill", 99.0)  # not a member: counts a step, times nothing
+    assert clock.latency_ms == [5.0, 12.0, 21.0, 16.0]
+    for _ in range(WINDOW):
+        clock.record("plain", 3.0)
+    assert clock.latency_ms[0] == 3.0  # the older times left the window
+    assert clock.stale() is None
+    while clock.steps - clock.last["step2"] < REFRESH:
+        clock.record("plain", 3.0)
+    assert clock.stale() == 2  # step2 was never timed
+    clock.record("step2", 6.0)
+    assert clock.stale() == 4  # then the whole tree, never timed either
+    fused = StepClock({"graphs": ["fused1", "fused"], "latency_ms": [2.0, 3.0], "rest_ms": 1.0})
+    assert fused.latency_ms == [2.0, 3.0] and fused.rest_ms == 1.0
+    for _ in range(MIN_TIMED):
+        fused.record("plain", 4.0)  # the drafter resting: its plain steps
+    assert fused.rest_ms == 4.0 and fused.latency_ms == [8.0, 12.0]
 
 
 def test_rates_and_buckets():
@@ -132,6 +166,37 @@ def test_adaptive_engine_is_greedy_identical_and_records_its_choices(adaptive_en
     assert fast.token_ids == plain.token_ids
     assert sum(fast.stats.verified_sizes.values()) == fast.stats.steps
     assert fast.stats.as_dict()["verified_sizes"]  # reported by `specc run --json`
+
+
+def test_greedy_choices_follow_the_measured_step_times(adaptive_engine, monkeypatch):
+    """A compiled table that says every member costs the same (a GPU's c(T) ~ 1) verifies the whole
+    tree on any evidence; where the whole tree's graph in fact takes 40 ms longer than the rest,
+    the times measured as the engine runs move the choice to smaller members (the ones it has not
+    timed are scaled from those it has, and probed once REFRESH steps pass untimed). The output
+    stays the target's. Sampling keeps the compiled table (test_sampling.py)."""
+    import time
+
+    import specc.adaptive
+
+    engine = specc.load(adaptive_engine)
+    engine.adaptive = {**engine.adaptive, "latency_ms": [1.0, 1.0, 1.0, 1.0], "rates": [[0.5] * 6] * 4}
+    step = engine.graphs["step_greedy"]
+    monkeypatch.setitem(engine.graphs, "step_greedy", lambda *a: time.sleep(0.04) or step(*a))
+    monkeypatch.setattr(specc.adaptive, "REFRESH", 8)
+    prompt = [3, 5, 2, 7, 9, 3, 5, 2, 7, 9, 3, 5, 2, 11, 4]
+    plain = engine.generate(prompt, max_new_tokens=60, stop_at_eos=False, speculate=False)
+    runs = {}
+    for timed in (False, True):
+        engine.time_steps = timed
+        runs[timed] = engine.generate(prompt, max_new_tokens=60, stop_at_eos=False)
+        assert runs[timed].token_ids == plain.token_ids
+    fixed, measured = runs[False].stats.graphs, runs[True].stats.graphs
+    assert fixed.get("step", 0) > 10, fixed  # flat latencies: the whole tree wherever a match drafts
+    assert measured.get("step", 0) <= fixed["step"] // 2, (fixed, measured)
+    clock = engine.step_clock()
+    assert clock.latency_ms[3] > 40 > max(clock.latency_ms[:3]), clock.latency_ms
+    engine.time_steps = False
+    assert engine.step_clock() is None
 
 
 def test_inspect_shows_the_family(adaptive_engine, specc_cli):
@@ -206,7 +271,8 @@ def test_dspark_adaptive_engine_chooses_fused_steps_from_its_confidences(dspark_
     assert {f"fused{k}_greedy" for k in range(1, 4)} <= set(manifest["graphs"])
     engine = specc.load(path)
     # Fixed latencies, and no resting member (its measured rest_ms is in real milliseconds): the
-    # fused members alone (rests: the next test).
+    # fused members alone (rests: the next test); the choices read this table, not step times.
+    engine.time_steps = False
     engine.adaptive = {**engine.adaptive, "latency_ms": LATENCY, "rest_ms": None, "rates": RATES * 2}
     prompt = PROMPT * 3
     runs = {}
@@ -242,6 +308,7 @@ def test_dspark_adaptive_engine_rests_its_drafter(dspark_adaptive, monkeypatch):
     propose = engine.drafter.propose
     monkeypatch.setattr(engine.drafter, "propose", lambda committed: proposals.append(len(committed)) or propose(committed))
     prompt = PROMPT * 3
+    engine.time_steps = False  # the choices read the table set here
     engine.adaptive = {**engine.adaptive, "latency_ms": LATENCY, "rest_ms": 0.95, "rates": [[0.0] * 6] * 2}
     r = engine.generate(prompt, max_new_tokens=24, stop_at_eos=False)
     assert r.token_ids == hf_greedy(model, prompt, 24)

@@ -121,7 +121,8 @@ def test_engine_drafts_from_the_corpus(corpus_setup, specc_cli):
     assert len(manifest["adaptive"]["rates"]) == 4 + 3  # lookup's matched lengths, then the table's contexts
     assert sum(map(sum, manifest["adaptive"]["seen"][4:])) > 0  # the table's drafts were calibrated
     engine = specc.load(path)
-    engine.adaptive = {**engine.adaptive, "latency_ms": [1.0, 1.01, 1.02, 1.03]}  # a GPU's flat c(T): verify all
+    engine.time_steps = False  # the choices read this table: a GPU's flat c(T), verify all
+    engine.adaptive = {**engine.adaptive, "latency_ms": [1.0, 1.01, 1.02, 1.03]}
     res = engine.generate(prompt, max_new_tokens=40, stop_at_eos=False)
     assert res.token_ids == hf_greedy(model, prompt, 40)
     assert res.stats.tau > 2.0, res.stats.as_dict()  # the table knows what the target says here
