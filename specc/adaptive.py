@@ -25,8 +25,9 @@ choosing to rest and starting again at 1 once one speculates.
 The compiled latencies are one moment of one machine: it may have been busy while it compiled, or
 its memory bandwidth shared differently than now, and attention grows with the context. So a greedy
 generation also times its steps as it runs (StepClock) and chooses from those times: per member
-the median of its last WINDOW steps, a member not yet timed its compiled latency rescaled by how
-the timed ones moved, and a member left untimed for REFRESH steps runs once to be timed again.
+the median of its last WINDOW steps while its last is no more than FRESH steps old, any other its
+compiled latency rescaled by how the freshly timed ones moved, and a member left untimed for
+REFRESH steps runs once to be timed again.
 Sampling keeps the compiled table, so that a seed's output stays a function of the engine alone.
 
 Lossless by construction: the choice depends only on text already committed and on times, never
@@ -50,9 +51,9 @@ CALIBRATION_PROMPTS = 8
 CALIBRATION_TOKENS = 96
 TIMING_ROUNDS, TIMING_CALLS = 5, 4
 REST_MAX = 32  # the longest run of plain steps between two probes of a resting drafter
-# StepClock: step times kept per member, how many count as its own estimate, and after how many
-# steps without one a member is run again to be timed.
-WINDOW, MIN_TIMED, REFRESH = 16, 3, 1000
+# StepClock: step times kept per member, how many count as its own estimate, for how many steps
+# after its last, and after how many steps without one a member is run again to be timed.
+WINDOW, MIN_TIMED, FRESH, REFRESH = 16, 3, 64, 1000
 
 
 def step_name(k: int, size: int) -> str:
@@ -133,10 +134,11 @@ def next_rest_run(last: int) -> int:
 class StepClock:
     """Each family member's step time as the engine runs (milliseconds, the whole step: drafting,
     the graph call and the report's read). `latency_ms` and `rest_ms` are what `choose` takes: a
-    member timed at least MIN_TIMED times reads the median of its last WINDOW times; one not yet
-    timed reads its compiled latency times the median ratio of timed to compiled latency over the
-    timed members (1 before any). Members are the family's graphs by name (plain first) and, in a
-    fused family, `plain` for the drafter resting."""
+    member timed at least MIN_TIMED times, the last of them within FRESH steps, reads the median of
+    its last WINDOW times; any other its compiled latency times the median ratio of timed to
+    compiled latency over those fresh members (1 before any). Times go stale so that a slow spell
+    does not stick to whichever member ran through it. Members are the family's graphs by name
+    (plain first) and, in a fused family, `plain` for the drafter resting."""
 
     def __init__(self, entry: dict):
         self.entry = entry  # the manifest's `adaptive` entry it started from
@@ -147,7 +149,7 @@ class StepClock:
             self.names.append(self.rest_name)
             self.compiled.append(entry["rest_ms"])
         self.times = {n: deque(maxlen=WINDOW) for n in self.names}
-        self.own: dict[str, float] = {}  # the medians of members timed MIN_TIMED times
+        self.median: dict[str, float] = {}  # of members timed MIN_TIMED times or more
         self.last = {n: 0 for n in self.names}  # the step count at each member's last time
         self.steps = 0
         self.estimate = list(self.compiled)
@@ -155,15 +157,15 @@ class StepClock:
     def record(self, name: str, ms: float) -> None:
         self.steps += 1
         times = self.times.get(name)
-        if times is None:  # not a member (a drafter's own graph on the first call)
-            return
-        times.append(ms)
-        self.last[name] = self.steps
-        if len(times) >= MIN_TIMED:
-            self.own[name] = statistics.median(times)
-            ratios = [self.own[n] / c for n, c in zip(self.names, self.compiled) if n in self.own and c > 0]
-            scale = statistics.median(ratios) if ratios else 1.0
-            self.estimate = [self.own.get(n, c * scale) for n, c in zip(self.names, self.compiled)]
+        if times is not None:  # else not a member (a drafter's own graph on the first call)
+            times.append(ms)
+            self.last[name] = self.steps
+            if len(times) >= MIN_TIMED:
+                self.median[name] = statistics.median(times)
+        own = {n: t for n, t in self.median.items() if self.steps - self.last[n] < FRESH}
+        ratios = [own[n] / c for n, c in zip(self.names, self.compiled) if n in own and c > 0]
+        scale = statistics.median(ratios) if ratios else 1.0
+        self.estimate = [own.get(n, c * scale) for n, c in zip(self.names, self.compiled)]
 
     @property
     def latency_ms(self) -> list[float]:

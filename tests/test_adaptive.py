@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import specc
-from specc.adaptive import (MIN_TIMED, REFRESH, REST_MAX, WINDOW, StepClock, bucket, choose, expected_tokens,
+from specc.adaptive import (FRESH, MIN_TIMED, REFRESH, REST_MAX, WINDOW, StepClock, bucket, choose, expected_tokens,
                             next_rest_run, prefix, rates_from_counts, step_name)
 from specc.drafters.ngram import ngram_confidences, ngram_continuations, ngram_tree_drafts
 from specc.errors import SpeccError
@@ -73,8 +73,10 @@ def test_expected_tokens_of_a_tree_prefix():
 
 def test_step_clock_estimates_from_the_times_it_measured():
     """A member's own median once timed MIN_TIMED times; the others their compiled latency scaled
-    by the median ratio of timed to compiled; the last WINDOW times; a member untimed for REFRESH
-    steps comes up to be timed again; a fused family's rest is a member of its own."""
+    by the median ratio of timed to compiled; the last WINDOW times; times older than FRESH steps
+    no longer count (a slow spell does not stick to the member that ran through it); a member
+    untimed for REFRESH steps comes up to be timed again; a fused family's rest is a member of its
+    own."""
     entry = {"graphs": ["plain", "step2", "step3", "step"], "latency_ms": [10.0, 12.0, 14.0, 16.0]}
     clock = StepClock(entry)
     assert clock.latency_ms == entry["latency_ms"] and clock.rest_ms is None and clock.stale() is None
@@ -91,6 +93,10 @@ def test_step_clock_estimates_from_the_times_it_measured():
     for _ in range(WINDOW):
         clock.record("plain", 3.0)
     assert clock.latency_ms[0] == 3.0  # the older times left the window
+    assert clock.latency_ms[2] == 21.0
+    for _ in range(FRESH):
+        clock.record("plain", 3.0)
+    assert clock.latency_ms == pytest.approx([3.0, 3.6, 4.2, 4.8])  # step3's times went stale
     assert clock.stale() is None
     while clock.steps - clock.last["step2"] < REFRESH:
         clock.record("plain", 3.0)
