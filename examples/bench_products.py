@@ -58,10 +58,10 @@ class Products(nn.Module):
 def compile_products(int8: bool, rows: int, cpp: bool, args: tuple, out: Path):
     """An AOTInductor package of the products at `rows` rows, with the C++ product at every row count
     or turned off."""
-    saved_state, saved_min = dict(cpu_kernels._state), rl.KERNEL_MIN_ROWS
+    saved_state, saved_min, saved_f32 = dict(cpu_kernels._state), rl.KERNEL_MIN_ROWS, rl.FLOAT32_KERNEL
     try:
         if cpp:
-            rl.KERNEL_MIN_ROWS = 1
+            rl.KERNEL_MIN_ROWS, rl.FLOAT32_KERNEL = 1, True
         else:
             cpu_kernels._state["loaded"] = False
         ep = matvec(capture(Products(int8), args))
@@ -69,7 +69,7 @@ def compile_products(int8: bool, rows: int, cpp: bool, args: tuple, out: Path):
     finally:
         cpu_kernels._state.clear()
         cpu_kernels._state.update(saved_state)
-        rl.KERNEL_MIN_ROWS = saved_min
+        rl.KERNEL_MIN_ROWS, rl.FLOAT32_KERNEL = saved_min, saved_f32
     return torch._inductor.aoti_load_package(path)
 
 

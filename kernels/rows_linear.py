@@ -3,7 +3,7 @@
 
 The `matvec` pass (passes/matvec.py) puts it in place of a few-row `linear` whose weight is a
 parameter. Its body is what Inductor compiles: on CPU, for int8 weights and for float32 ones at 1 row
-or from KERNEL_MIN_ROWS rows, the hand-written product `specc_cpu::dense_matvec` (dense_cpu.cpp) where
+or from KERNEL_MIN_ROWS rows on a CPU with AVX-512, the hand-written product `specc_cpu::dense_matvec` (dense_cpu.cpp) where
 it builds; everywhere else the reference below, one multiply and row sum per input row over the
 weight, which Inductor fuses into one streaming reduction loop (the pass's form for every weight
 before this op existed; still its form for other weights computed in the graph).
@@ -23,6 +23,17 @@ from .cpu_kernels import load_cpu_kernel
 # (8 rows: 6.6 against 10.2 ms for the products alone, "Decode-step products alone"), is within 10%
 # at 1-2, and one product keeps plain and step graphs computing each row alike.
 KERNEL_MIN_ROWS = 5
+# The float32 product's registers are AVX-512's. On an AVX2 EPYC (2026-12-05, "Decode-step products
+# alone") its portable path lost to the reduction at every row count (1 row: 27.5 against 15.5 ms;
+# 8 rows: 63.2 against 28.6), so without AVX-512 float32 takes the reduction. None: read the CPU.
+FLOAT32_KERNEL: bool | None = None
+
+
+def float32_kernel() -> bool:
+    global FLOAT32_KERNEL
+    if FLOAT32_KERNEL is None:
+        FLOAT32_KERNEL = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    return FLOAT32_KERNEL
 
 
 def rows_linear_reference(x: Tensor, w: Tensor) -> Tensor:
@@ -49,4 +60,4 @@ def kernel_rows(rows: int, dtype: torch.dtype) -> bool:
     """Whether the C++ product computes `rows` rows over a weight of `dtype` (where it was measured faster)."""
     if dtype == torch.int8:
         return True
-    return dtype == torch.float32 and (rows == 1 or rows >= KERNEL_MIN_ROWS)
+    return dtype == torch.float32 and float32_kernel() and (rows == 1 or rows >= KERNEL_MIN_ROWS)
