@@ -665,15 +665,21 @@ def test_gguf_cpu_product_matches_the_weights(fmt):
 
 
 @pytest.mark.parametrize("k", [16, 96, 577])  # 577: a masked tail of 1
-def test_dense_cpu_product_matches_float64(k):
+def test_dense_cpu_product_matches_float64(k, monkeypatch):
     """dense_cpu.cpp's product against float64 for 1..17 rows (past a tile of 8) and odd output
     counts, over float32 and int8 weights; each row's result is the same bit for bit alone and among
-    others; rows_linear's CPU body calls it (float32: at 1 row and from KERNEL_MIN_ROWS); bad shapes
-    are refused."""
+    others; rows_linear's CPU body calls it (float32: at 1 row and from KERNEL_MIN_ROWS on AVX-512,
+    forced on here so that every machine checks it; without AVX-512 never); bad shapes are refused."""
+    from specc.kernels import rows_linear
     from specc.kernels.cpu_kernels import load_cpu_kernel, load_error
-    from specc.kernels.rows_linear import kernel_rows
+    from specc.kernels.rows_linear import KERNEL_MIN_ROWS, kernel_rows
 
     assert load_cpu_kernel(), load_error()
+    monkeypatch.setattr(rows_linear, "FLOAT32_KERNEL", False)
+    assert not any(kernel_rows(r, torch.float32) for r in range(1, 17)) and kernel_rows(1, torch.int8)
+    monkeypatch.setattr(rows_linear, "FLOAT32_KERNEL", None)  # read from the CPU
+    assert rows_linear.float32_kernel() == torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    monkeypatch.setattr(rows_linear, "FLOAT32_KERNEL", True)
     w = torch.randn(67, k, generator=gen(k))
     for rows in (1, 2, 3, 8, 9, 17):
         x = torch.randn(1, rows, k, generator=gen(rows))
@@ -682,8 +688,8 @@ def test_dense_cpu_product_matches_float64(k):
         torch.testing.assert_close(out.double(), x.double() @ w.double().T, atol=1e-4, rtol=1e-5)
         for r in {0, rows - 1}:
             assert torch.equal(torch.ops.specc_cpu.dense_matvec(x[:, r:r + 1], w), out[:, r:r + 1])
-        if kernel_rows(rows, torch.float32):
-            assert torch.equal(ops.rows_linear(x, w), out)
+        if rows == 1 or rows >= KERNEL_MIN_ROWS:
+            assert kernel_rows(rows, torch.float32) and torch.equal(ops.rows_linear(x, w), out)
         torch.testing.assert_close(K.rows_linear_reference(x, w), out, atol=1e-4, rtol=1e-5)
     w8 = torch.randint(-127, 128, (67, k), generator=gen(k + 1), dtype=torch.int8)
     for rows in (1, 2, 5, 9):
