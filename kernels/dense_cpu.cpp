@@ -13,8 +13,12 @@
 // its per-row scale is applied after the product, in the graph) is widened to float in registers, a
 // quarter of the bytes for the same multiply-adds.
 //
-// Every output is one thread's sum of 16 lanes over k in steps of 16, reduced the same way whatever
-// the number of rows: a row's result does not depend on the rows beside it or on how many there are.
+// AVX2 machines (no AVX-512) get the same tiles in 8-lane registers, shaped for their 16 registers
+// (4 weight rows up to 2 input rows, 2 up to 4, 1 beyond); other CPUs a portable loop.
+//
+// Every output is one thread's sum of a vector's lanes (16 on AVX-512, 8 on AVX2 and 16 in the portable
+// loop) over k in steps of that many, reduced the same way whatever the number of rows: a row's result
+// does not depend on the rows beside it or on how many there are.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -23,8 +27,11 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define SPECC_AVX2 1
 #endif
 
 namespace {
@@ -45,6 +52,23 @@ inline __m512 load_tail(const W* p, int64_t n) {
   W buf[LANES] = {};
   std::memcpy(buf, p, n * sizeof(W));
   return load16(buf);
+}
+#elif defined(SPECC_AVX2)
+constexpr int64_t LANES8 = 8;
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+template <typename W>
+inline __m256 load_tail8(const W* p, int64_t n) {
+  W buf[LANES8] = {};
+  std::memcpy(buf, p, n * sizeof(W));
+  return load8(buf);
+}
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 #endif
 
@@ -79,8 +103,36 @@ inline void tile(const float* x, int64_t K, const W* w, float* out, int64_t N) {
   }
   for (int j = 0; j < NB; ++j)
     for (int r = 0; r < R; ++r) out[r * N + j] = _mm512_reduce_add_ps(acc[j][r]);
+#elif defined(SPECC_AVX2)
+  __m256 acc[NB][R];
+  for (int j = 0; j < NB; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + LANES8 <= K; k += LANES8) {
+    __m256 wv[NB];
+    for (int j = 0; j < NB; ++j) {
+      // a 64-byte line holds two steps of float weights: prefetch once per line
+      if constexpr (R > 1 || sizeof(W) == 1)
+        if ((k & (64 / sizeof(W) - 1)) == 0) __builtin_prefetch(w + j * K + k + PREFETCH);
+      wv[j] = load8(w + j * K + k);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+      for (int j = 0; j < NB; ++j) acc[j][r] = _mm256_fmadd_ps(wv[j], xv, acc[j][r]);
+    }
+  }
+  if (k < K) {
+    __m256 wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = load_tail8(w + j * K + k, K - k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = load_tail8(x + r * K + k, K - k);
+      for (int j = 0; j < NB; ++j) acc[j][r] = _mm256_fmadd_ps(wv[j], xv, acc[j][r]);
+    }
+  }
+  for (int j = 0; j < NB; ++j)
+    for (int r = 0; r < R; ++r) out[r * N + j] = sum8(acc[j][r]);
 #else
-  // Portable: 16 lanes in arrays the compiler vectorises (AVX2 machines: two 8-lane halves).
+  // Portable: 16 lanes in arrays the compiler vectorises.
   float acc[NB][R][LANES] = {};
   for (int64_t k0 = 0; k0 < K; k0 += LANES) {
     const int64_t n = std::min(LANES, K - k0);
@@ -99,13 +151,25 @@ inline void tile(const float* x, int64_t K, const W* w, float* out, int64_t N) {
 #endif
 }
 
-// Weight rows n0..n1 for R input rows: fours while R <= 4 (16 accumulators at most), pairs, the odd one.
+// How many weight rows a tile of R input rows takes at most: as many as keep the accumulators, the
+// weight vectors and an input vector in registers (AVX-512: 32 of them; AVX2: 16).
+template <int R>
+constexpr int widest() {
+#if defined(SPECC_AVX2)
+  return R <= 2 ? 4 : R <= 4 ? 2 : 1;
+#else
+  return R <= 4 ? 4 : 2;
+#endif
+}
+
+// Weight rows n0..n1 for R input rows: tiles of widest<R>() weight rows, then pairs, then the odd one.
 template <int R, typename W>
 void rows(const float* x, int64_t K, const W* w, float* out, int64_t N, int64_t n0, int64_t n1) {
   int64_t n = n0;
-  if constexpr (R <= 4)
+  if constexpr (widest<R>() >= 4)
     for (; n + 4 <= n1; n += 4) tile<R, 4>(x, K, w + n * K, out + n, N);
-  for (; n + 2 <= n1; n += 2) tile<R, 2>(x, K, w + n * K, out + n, N);
+  if constexpr (widest<R>() >= 2)
+    for (; n + 2 <= n1; n += 2) tile<R, 2>(x, K, w + n * K, out + n, N);
   for (; n < n1; ++n) tile<R, 1>(x, K, w + n * K, out + n, N);
 }
 

@@ -705,14 +705,19 @@ def test_dense_cpu_product_matches_float64(k, monkeypatch):
         torch.ops.specc_cpu.dense_matvec(torch.randn(2, k, dtype=torch.float64), w)
 
 
-def test_gguf_cpu_portable_path_subprocess():
-    """On an AVX-512 machine the products above ran its AVX-512 code; the same test in a process whose
-    build leaves AVX-512 out runs the portable loops (what AVX2 machines compile)."""
+@pytest.mark.parametrize("level,needs,flags", [
+    ("AVX2", "avx512f", "-mno-avx512f"),                           # an AVX-512 machine builds the AVX2 path
+    ("portable", "avx2", "-mno-avx512f -mno-avx2 -mno-fma"),       # and every x86 machine the portable loops
+])
+def test_cpu_products_other_instruction_sets_subprocess(level, needs, flags):
+    """The products above ran the code this machine's build picks; the same tests in a process whose
+    build leaves the wider instruction sets out run the paths of lesser CPUs (AVX2's 8-lane tiles, or
+    the portable loops), where this machine can run them."""
     if os.environ.get("SPECC_CPU_KERNEL_FLAGS"):
         pytest.skip("this process already builds with extra flags")
-    if "avx512f" not in Path("/proc/cpuinfo").read_text(errors="ignore"):
-        pytest.skip("no AVX-512 here: the test above ran the portable path")
-    env = dict(os.environ, SPECC_CPU_KERNEL_FLAGS="-mno-avx512f", OMP_NUM_THREADS="2")
+    if needs not in Path("/proc/cpuinfo").read_text(errors="ignore").split():
+        pytest.skip(f"no {needs} here: the {level} path is what the tests above ran, or cannot be told apart")
+    env = dict(os.environ, SPECC_CPU_KERNEL_FLAGS=flags, OMP_NUM_THREADS="2")
     proc = subprocess.run([sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                            "gguf_cpu_product or dense_cpu_product"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
