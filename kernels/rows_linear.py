@@ -23,9 +23,12 @@ from .cpu_kernels import load_cpu_kernel
 # (8 rows: 6.6 against 10.2 ms for the products alone, "Decode-step products alone"), is within 10%
 # at 1-2, and one product keeps plain and step graphs computing each row alike.
 KERNEL_MIN_ROWS = 5
-# The float32 product's registers are AVX-512's. On an AVX2 EPYC (2026-12-05, "Decode-step products
-# alone") its portable path lost to the reduction at every row count (1 row: 27.5 against 15.5 ms;
-# 8 rows: 63.2 against 28.6), so without AVX-512 float32 takes the reduction. None: read the CPU.
+# Without AVX-512, float32 takes the reduction. On an AVX2 EPYC (2026-12-05) the portable loop lost to
+# it at every row count (products alone, 1 row: 27.5 against 15.5 ms; 8 rows: 63.2 against 28.6); the
+# AVX2 tiles that replaced it tie with it in whole step graphs (examples/time_family.py, two runs of
+# the chain:8 family each way: within +-8% at every node count, neither side ahead in both runs), so
+# nothing is gained by the call out of the graph. int8 keeps the C++ product there (products alone:
+# 9.4 against 63.8 ms at 1 row). None: read the CPU.
 FLOAT32_KERNEL: bool | None = None
 
 
