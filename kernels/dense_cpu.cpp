@@ -29,46 +29,55 @@
 #include <vector>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
-#endif
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-#define SPECC_AVX2 1
+#define SPECC_SIMD 1
 #endif
 
 namespace {
 
-constexpr int64_t LANES = 16;
 constexpr int64_t PREFETCH_BYTES = 8192;  // ahead of each weight row's read (a throwaway sweep: 4-16 KB alike)
 constexpr int64_t MAX_R = 8;              // input rows per tile: 8 x 2 accumulators leave registers to spare
 constexpr int64_t BLOCK_N = 32;           // weight rows per block: its lines stay in L1/L2 across row groups
 
+// The vector the tiles compute in: what one register holds, its loads (int8 widened to float), fma, sum.
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const int8_t* p) {
+using Vec = __m512;
+constexpr int64_t LANES = 16;
+// steps of k between prefetches of a weight row: every step, as measured (int8 prefetches a line 4 times)
+constexpr int64_t prefetch_every(int64_t) { return 1; }
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vload(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-// The last n < 16 weights, zeros after them (zeros add nothing).
-template <typename W>
-inline __m512 load_tail(const W* p, int64_t n) {
-  W buf[LANES] = {};
-  std::memcpy(buf, p, n * sizeof(W));
-  return load16(buf);
-}
-#elif defined(SPECC_AVX2)
-constexpr int64_t LANES8 = 8;
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const int8_t* p) {
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(SPECC_SIMD)  // AVX2 + FMA
+using Vec = __m256;
+constexpr int64_t LANES = 8;
+// once per 64-byte line: two steps of float weights, eight of int8
+constexpr int64_t prefetch_every(int64_t weight_bytes) { return 64 / (LANES * weight_bytes); }
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vload(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-template <typename W>
-inline __m256 load_tail8(const W* p, int64_t n) {
-  W buf[LANES8] = {};
-  std::memcpy(buf, p, n * sizeof(W));
-  return load8(buf);
-}
-inline float sum8(__m256 v) {
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#else
+constexpr int64_t LANES = 16;
+#endif
+
+#if defined(SPECC_SIMD)
+// The last n < LANES values, zeros after them (zeros add nothing).
+template <typename W>
+inline Vec vload_tail(const W* p, int64_t n) {
+  W buf[LANES] = {};
+  std::memcpy(buf, p, n * sizeof(W));
+  return vload(buf);
 }
 #endif
 
@@ -76,61 +85,35 @@ inline float sum8(__m256 v) {
 template <int R, int NB, typename W>
 inline void tile(const float* x, int64_t K, const W* w, float* out, int64_t N) {
   constexpr int64_t PREFETCH = PREFETCH_BYTES / sizeof(W);
-#if defined(__AVX512F__)
-  __m512 acc[NB][R];
+#if defined(SPECC_SIMD)
+  constexpr int64_t EVERY = prefetch_every(sizeof(W));
+  Vec acc[NB][R];
   for (int j = 0; j < NB; ++j)
-    for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[j][r] = vzero();
   int64_t k = 0;
   for (; k + LANES <= K; k += LANES) {
-    __m512 wv[NB];
+    Vec wv[NB];
     for (int j = 0; j < NB; ++j) {
       // One float row: the hardware prefetcher keeps up; int8 rows go by four times faster, it does not.
-      if constexpr (R > 1 || sizeof(W) == 1) __builtin_prefetch(w + j * K + k + PREFETCH);
-      wv[j] = load16(w + j * K + k);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * K + k);
-      for (int j = 0; j < NB; ++j) acc[j][r] = _mm512_fmadd_ps(wv[j], xv, acc[j][r]);
-    }
-  }
-  if (k < K) {
-    __m512 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = load_tail(w + j * K + k, K - k);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = load_tail(x + r * K + k, K - k);
-      for (int j = 0; j < NB; ++j) acc[j][r] = _mm512_fmadd_ps(wv[j], xv, acc[j][r]);
-    }
-  }
-  for (int j = 0; j < NB; ++j)
-    for (int r = 0; r < R; ++r) out[r * N + j] = _mm512_reduce_add_ps(acc[j][r]);
-#elif defined(SPECC_AVX2)
-  __m256 acc[NB][R];
-  for (int j = 0; j < NB; ++j)
-    for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + LANES8 <= K; k += LANES8) {
-    __m256 wv[NB];
-    for (int j = 0; j < NB; ++j) {
-      // a 64-byte line holds two steps of float weights: prefetch once per line
       if constexpr (R > 1 || sizeof(W) == 1)
-        if ((k & (64 / sizeof(W) - 1)) == 0) __builtin_prefetch(w + j * K + k + PREFETCH);
-      wv[j] = load8(w + j * K + k);
+        if (EVERY == 1 || (k / LANES) % EVERY == 0) __builtin_prefetch(w + j * K + k + PREFETCH);
+      wv[j] = vload(w + j * K + k);
     }
     for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
-      for (int j = 0; j < NB; ++j) acc[j][r] = _mm256_fmadd_ps(wv[j], xv, acc[j][r]);
+      const Vec xv = vload(x + r * K + k);
+      for (int j = 0; j < NB; ++j) acc[j][r] = vfma(wv[j], xv, acc[j][r]);
     }
   }
   if (k < K) {
-    __m256 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = load_tail8(w + j * K + k, K - k);
+    Vec wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = vload_tail(w + j * K + k, K - k);
     for (int r = 0; r < R; ++r) {
-      const __m256 xv = load_tail8(x + r * K + k, K - k);
-      for (int j = 0; j < NB; ++j) acc[j][r] = _mm256_fmadd_ps(wv[j], xv, acc[j][r]);
+      const Vec xv = vload_tail(x + r * K + k, K - k);
+      for (int j = 0; j < NB; ++j) acc[j][r] = vfma(wv[j], xv, acc[j][r]);
     }
   }
   for (int j = 0; j < NB; ++j)
-    for (int r = 0; r < R; ++r) out[r * N + j] = sum8(acc[j][r]);
+    for (int r = 0; r < R; ++r) out[r * N + j] = vsum(acc[j][r]);
 #else
   // Portable: 16 lanes in arrays the compiler vectorises.
   float acc[NB][R][LANES] = {};
@@ -155,7 +138,7 @@ inline void tile(const float* x, int64_t K, const W* w, float* out, int64_t N) {
 // weight vectors and an input vector in registers (AVX-512: 32 of them; AVX2: 16).
 template <int R>
 constexpr int widest() {
-#if defined(SPECC_AVX2)
+#if defined(SPECC_SIMD) && !defined(__AVX512F__)
   return R <= 2 ? 4 : R <= 4 ? 2 : 1;
 #else
   return R <= 4 ? 4 : 2;
