@@ -28,7 +28,7 @@ KERNEL_MIN_ROWS = 5
 # AVX2 tiles that replaced it tie with it in whole step graphs (examples/time_family.py, two runs of
 # the chain:8 family each way: within +-8% at every node count, neither side ahead in both runs), so
 # nothing is gained by the call out of the graph. int8 keeps the C++ product there (products alone:
-# 9.4 against 63.8 ms at 1 row). None: read the CPU.
+# 8.6 against 66.1 ms at 1 row, "Decode-step products alone 2"). None: read the CPU.
 FLOAT32_KERNEL: bool | None = None
 
 
