@@ -1,5 +1,7 @@
 """BENCHMARKS.md bookkeeping: runs go under History newest first, Current figures is rebuilt from them,
 and the machine line says what makes runs of different days comparable."""
+import pytest
+
 from specc import benchfile
 
 
@@ -31,3 +33,22 @@ def test_machine_line_names_the_cpu_and_the_bandwidth_of_the_day():
     assert benchfile.machine_key(m) == "x86_64, 2 cores, CPU"
     assert benchfile.matvec_gb_s(mb=16, reps=3) > 0
     assert benchfile.cpu_model()
+
+
+def test_a_withdrawn_run_leaves_the_table_and_says_why(tmp_path):
+    path = tmp_path / "B.md"
+    benchfile.write_run(path, _run("2026-12-01", 12.0), "setup", "body one")
+    benchfile.write_run(path, _run("2026-12-02", 25.0), "setup", "body two")
+    text = benchfile.withdraw(path.read_text(), "Run, 2026-12-02", "Its plain baseline ran a slower product.")
+    # The older run counts again, no longer superseded; the withdrawn one keeps its figures and says why.
+    assert [(f["tokens_per_s"], f["date"]) for f in benchfile.current_figures(text)] == [(12.0, "2026-12-01")]
+    newer, older = text.split("### Run, 2026-12-02")[1].split("### Run, 2026-12-01")
+    assert "> **Withdrawn**: Its plain baseline ran a slower product." in newer and "Superseded" not in older
+    assert [r["date"] for r in benchfile.runs(text, withdrawn=True)] == ["2026-12-02", "2026-12-01"]
+    assert "2.50x" not in text.split("### Run")[0] and "1.20x" in text.split("### Run")[0]
+    assert benchfile.with_current_figures(text) == text  # idempotent
+    path.write_text(text)  # a new run of the same day and title gets a new number, not the withdrawn one's
+    benchfile.write_run(path, _run("2026-12-02", 14.0), "setup", "body three")
+    assert "### Run 2, 2026-12-02" in path.read_text()
+    with pytest.raises(KeyError):
+        benchfile.withdraw(text, "Run, 2026-11-30", "no such run")
