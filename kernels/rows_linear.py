@@ -10,6 +10,8 @@ before this op existed; still its form for other weights computed in the graph).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch._inductor.inductor_prims  # noqa: F401 -- registers prims.inductor_force_stride_order
 from torch import Tensor
@@ -30,6 +32,28 @@ KERNEL_MIN_ROWS = 5
 # nothing is gained by the call out of the graph. int8 keeps the C++ product there (products alone:
 # 8.6 against 66.1 ms at 1 row, "Decode-step products alone 2"). None: read the CPU.
 FLOAT32_KERNEL: bool | None = None
+# The one-row float32 product is measured, not ruled, for a target large enough to tell them apart:
+# `specc compile` lowers its plain graph both ways, times both and keeps the faster
+# (specc/products.py). On a Zen 4 EPYC (2026-12-06) the C++ product that won at one row on an earlier
+# AVX-512 EPYC lost there: plain 23.4 ms, slower than the reduction's 2-node step (20.8 ms).
+# None: the rule above (float32_kernel()); True / False: what one_row_kernel() set while lowering.
+ONE_ROW_KERNEL: bool | None = None
+
+
+@contextlib.contextmanager
+def one_row_kernel(on: bool | None):
+    """Lower graphs under this choice for float32 products of one row (None: the rule)."""
+    global ONE_ROW_KERNEL
+    saved, ONE_ROW_KERNEL = ONE_ROW_KERNEL, on
+    try:
+        yield
+    finally:
+        ONE_ROW_KERNEL = saved
+
+
+def choice_key() -> str:
+    """What decides rows_linear's body besides its source: part of the compile cache's key."""
+    return f"float32_kernel={float32_kernel()},one_row={ONE_ROW_KERNEL},min_rows={KERNEL_MIN_ROWS}"
 
 
 def float32_kernel() -> bool:
@@ -63,4 +87,6 @@ def kernel_rows(rows: int, dtype: torch.dtype) -> bool:
     """Whether the C++ product computes `rows` rows over a weight of `dtype` (where it was measured faster)."""
     if dtype == torch.int8:
         return True
+    if dtype == torch.float32 and rows == 1 and ONE_ROW_KERNEL is not None:
+        return ONE_ROW_KERNEL
     return dtype == torch.float32 and float32_kernel() and (rows == 1 or rows >= KERNEL_MIN_ROWS)

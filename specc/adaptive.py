@@ -199,16 +199,25 @@ def time_family(engine, mode: str = "greedy", names: list[str] | None = None) ->
         args = tuple((torch.ones if dt.is_floating_point else torch.zeros)(s, dtype=dt, device=engine.device)
                      for s, dt in dtypes)
         calls.append((engine.graphs[key], args))
+    return time_calls(calls, engine.device)
+
+
+def time_calls(calls: list, device) -> list[float]:
+    """Milliseconds per call of each (fn, args) in `calls`: a warm-up call each, then TIMING_ROUNDS
+    rounds that run every fn TIMING_CALLS times in turn (so drift falls on all alike), medians."""
+    import torch
+
+    device = torch.device(device)
     for fn, args in calls:  # warm-up
         fn(*args)
-    times: list[list[float]] = [[] for _ in names]
+    times: list[list[float]] = [[] for _ in calls]
     for _ in range(TIMING_ROUNDS):
         for i, (fn, args) in enumerate(calls):
             t0 = time.perf_counter()
             for _ in range(TIMING_CALLS):
                 out = fn(*args)
-            if engine.device.type == "cuda":
-                torch.cuda.synchronize(engine.device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             del out
             times[i].append((time.perf_counter() - t0) * 1000 / TIMING_CALLS)
     return [round(statistics.median(t), 4) for t in times]

@@ -148,11 +148,12 @@ def kernel_sources() -> str:
     in acceptance.py pick them): their source is part of the compiled code."""
     import specc.kernels
     from specc.kernels.cpu_kernels import load_cpu_kernel
+    from specc.kernels.rows_linear import choice_key
 
     folder = Path(specc.kernels.__file__).parent
     files = sorted(folder.glob("*.py")) + sorted(folder.glob("*.cpp")) + [Path(__file__).parent / "acceptance.py"]
     # whether gguf_linear's CPU body calls the C++ product or the reference decides the compiled code
-    return "".join(p.read_text() for p in files) + f"cpu_kernel={load_cpu_kernel()}"
+    return "".join(p.read_text() for p in files) + f"cpu_kernel={load_cpu_kernel()}," + choice_key()
 
 
 # Inductor keeps a fused bf16/fp16 chain in float32 and rounds once at the store, so a graph's

@@ -23,7 +23,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from . import __version__, adaptive, calibrate
+from specc.kernels.rows_linear import one_row_kernel
+
+from . import __version__, adaptive, calibrate, products
 from .backends import check_device, lower_graph, move_states, open_graph
 from .config import MANIFEST, CompileConfig
 from .drafters import get_kind
@@ -106,17 +108,25 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
         # tensorrt: the graphs are exported on this machine's CPU and built on the GPU machine
         build_device = "cpu" if cfg.backend == "tensorrt" else cfg.device
         states = move_states(modules.states(), build_device)
-        built, graphs = {}, {}
+        built, graphs, one_row = {}, {}, None
+        if products.applies(cfg, weight_bytes(modules.target), cpu_kernels_used(cfg)):
+            # the one-row product from timing the plain graph both ways (specc/products.py)
+            plain = next(p for p in plans if p.name.startswith("plain"))
+            one_row = products.measure_one_row(plain, modules.by_name(), tree, states["target"], build_device)
+            if cfg.progress:
+                print(f"one-row product: {one_row['product']} (plain step " + ", ".join(
+                    f"{k} {v:.1f} ms" for k, v in one_row["ms"].items()) + ")", file=sys.stderr)
         bar = tqdm(plans, desc=f"compile ({cfg.backend})", unit="graph", disable=not cfg.progress)
-        for plan in bar:
-            bar.set_postfix_str(plan.name)
-            ep = built[plan.name] = build_program(plan, modules.by_name(), built, tree,
-                                                  Path(cfg.dump_ir) if cfg.dump_ir else None)
-            args = example_inputs(ep)
-            graphs[plan.name] = {
-                "module": plan.module, "tokens": plan.T, "inputs": [[list(a.shape), str(a.dtype)] for a in args],
-                "mode": plan.mode, "passes": plan.passes,
-                **lower_graph(cfg.backend, ep, states[plan.module], stage, plan.name, args, build_device)}
+        with one_row_kernel(None if one_row is None else products.CHOICES[one_row["product"]]):
+            for plan in bar:
+                bar.set_postfix_str(plan.name)
+                ep = built[plan.name] = build_program(plan, modules.by_name(), built, tree,
+                                                      Path(cfg.dump_ir) if cfg.dump_ir else None)
+                args = example_inputs(ep)
+                graphs[plan.name] = {
+                    "module": plan.module, "tokens": plan.T, "inputs": [[list(a.shape), str(a.dtype)] for a in args],
+                    "mode": plan.mode, "passes": plan.passes,
+                    **lower_graph(cfg.backend, ep, states[plan.module], stage, plan.name, args, build_device)}
         bar.close()
         if cfg.dump_ir:  # the shared first stages were copied into each graph's dump
             shutil.rmtree(Path(cfg.dump_ir) / ".base", ignore_errors=True)
@@ -127,7 +137,7 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
             target.tokenizer.save_pretrained(stage / "target")
         kind.save(weights, stage / "draft", target.model)
         trt = tensorrt_engines(stage, out, graphs, cfg.progress) if cfg.backend == "tensorrt" else None
-        write_manifest(stage, cfg, target, modules, entry, tree, report, graphs, cache_len, trt)
+        write_manifest(stage, cfg, target, modules, entry, tree, report, graphs, cache_len, trt, one_row)
         if cfg.adaptive:
             measure_family(stage, cfg.progress)
     return out
@@ -221,7 +231,8 @@ def measure_tree(cfg: CompileConfig, depth_limit: int):
 
 
 def write_manifest(stage: Path, cfg: CompileConfig, target, modules: EngineModules, entry: dict, tree: Tree,
-                   report: dict | None, graphs: dict, cache_len: int, trt: dict | None = None) -> None:
+                   report: dict | None, graphs: dict, cache_len: int, trt: dict | None = None,
+                   one_row: dict | None = None) -> None:
     """specc.json: versions, what was compiled, and the sha256 of every file (never a pickle)."""
     import transformers
 
@@ -254,6 +265,8 @@ def write_manifest(stage: Path, cfg: CompileConfig, target, modules: EngineModul
             "target": weight_bytes(modules.target), "drafter": weight_bytes(modules.draft, shared=modules.target)}},
         # the graphs call the specc_cpu products (kernels/cpu_kernels.py), which load must build or find
         "cpu_kernels": cpu_kernels_used(cfg),
+        # which product the float32 one-row products take, from timing the plain graph both ways (products.py)
+        **({"one_row": one_row} if one_row is not None else {}),
         **({"adaptive": {"sizes": adaptive.family_sizes(tree)}} if cfg.adaptive else {}),
         **({"tensorrt": trt} if trt is not None else {}),
         "files": files,
