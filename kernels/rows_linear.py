@@ -4,7 +4,8 @@
 The `matvec` pass (passes/matvec.py) puts it in place of a few-row `linear` whose weight is a
 parameter. Its body is what Inductor compiles: on CPU, for int8 weights and for float32 ones at 1 row
 or from KERNEL_MIN_ROWS rows on a CPU with AVX-512, the hand-written product `specc_cpu::dense_matvec` (dense_cpu.cpp) where
-it builds; everywhere else the reference below, one multiply and row sum per input row over the
+it builds (or as `specc compile` timed the two on the machine: kernel_choice, specc/products.py);
+everywhere else the reference below, one multiply and row sum per input row over the
 weight, which Inductor fuses into one streaming reduction loop (the pass's form for every weight
 before this op existed; still its form for other weights computed in the graph).
 """
@@ -32,28 +33,32 @@ KERNEL_MIN_ROWS = 5
 # nothing is gained by the call out of the graph. int8 keeps the C++ product there (products alone:
 # 8.6 against 66.1 ms at 1 row, "Decode-step products alone 2"). None: read the CPU.
 FLOAT32_KERNEL: bool | None = None
-# The one-row float32 product is measured, not ruled, for a target large enough to tell them apart:
-# `specc compile` lowers its plain graph both ways, times both and keeps the faster
-# (specc/products.py). On a Zen 4 EPYC (2026-12-06) the C++ product that won at one row on an earlier
-# AVX-512 EPYC lost there: plain 23.4 ms, slower than the reduction's 2-node step (20.8 ms).
-# None: the rule above (float32_kernel()); True / False: what one_row_kernel() set while lowering.
+# For a target large enough to tell them apart the float32 products are measured, not ruled:
+# `specc compile` lowers the plain graph (one row) and the whole tree's step graph (KERNEL_MIN_ROWS
+# rows or more) both ways, times each pair and keeps the faster (specc/products.py). On a Zen 4 EPYC
+# (2026-12-06) the C++ product that won at one row on an earlier AVX-512 EPYC lost there: plain 23.4
+# ms, slower than the reduction's 2-node step (20.8 ms).
+# None: the rule above (float32_kernel()); True / False: what kernel_choice() set while lowering.
 ONE_ROW_KERNEL: bool | None = None
+MANY_ROWS_KERNEL: bool | None = None
 
 
 @contextlib.contextmanager
-def one_row_kernel(on: bool | None):
-    """Lower graphs under this choice for float32 products of one row (None: the rule)."""
-    global ONE_ROW_KERNEL
-    saved, ONE_ROW_KERNEL = ONE_ROW_KERNEL, on
+def kernel_choice(one_row: bool | None = None, many_rows: bool | None = None):
+    """Lower graphs under these choices for float32 products of one row and of KERNEL_MIN_ROWS rows or
+    more (True: the C++ product, False: the reduction, None: the rule)."""
+    global ONE_ROW_KERNEL, MANY_ROWS_KERNEL
+    saved, (ONE_ROW_KERNEL, MANY_ROWS_KERNEL) = (ONE_ROW_KERNEL, MANY_ROWS_KERNEL), (one_row, many_rows)
     try:
         yield
     finally:
-        ONE_ROW_KERNEL = saved
+        ONE_ROW_KERNEL, MANY_ROWS_KERNEL = saved
 
 
 def choice_key() -> str:
     """What decides rows_linear's body besides its source: part of the compile cache's key."""
-    return f"float32_kernel={float32_kernel()},one_row={ONE_ROW_KERNEL},min_rows={KERNEL_MIN_ROWS}"
+    return (f"float32_kernel={float32_kernel()},one_row={ONE_ROW_KERNEL},many_rows={MANY_ROWS_KERNEL},"
+            f"min_rows={KERNEL_MIN_ROWS}")
 
 
 def float32_kernel() -> bool:
@@ -89,4 +94,6 @@ def kernel_rows(rows: int, dtype: torch.dtype) -> bool:
         return True
     if dtype == torch.float32 and rows == 1 and ONE_ROW_KERNEL is not None:
         return ONE_ROW_KERNEL
+    if dtype == torch.float32 and rows >= KERNEL_MIN_ROWS and MANY_ROWS_KERNEL is not None:
+        return MANY_ROWS_KERNEL
     return dtype == torch.float32 and float32_kernel() and (rows == 1 or rows >= KERNEL_MIN_ROWS)

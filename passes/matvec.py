@@ -11,7 +11,8 @@ The eager backend keeps `linear`, since there the product would be materialised.
 A weight the graph holds as a parameter goes to `specc::rows_linear` (kernels/rows_linear.py), whose
 body is that reduction, or on CPU float32 at 1 row and from 5 rows a hand-written C++ product that
 prefetches the weight and stays near the memory's speed where the reduction turns compute-bound
-(BENCHMARKS.md, "Cost curve of the step graphs, 2026-12-04").
+(BENCHMARKS.md, "Cost curve of the step graphs, 2026-12-04"), where compile timed it faster on the
+machine (specc/products.py).
 An int8 weight cast to float in the graph (`--quant int8`) goes to it as the int8 tensor, the cast
 now rows_linear's; any other weight computed in the graph keeps the reduction written out in the
 graph, where Inductor fuses its producer into the loop.

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from specc.kernels.rows_linear import one_row_kernel
+from specc.kernels.rows_linear import kernel_choice
 
 from . import __version__, adaptive, calibrate, products
 from .backends import check_device, lower_graph, move_states, open_graph
@@ -108,16 +108,12 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
         # tensorrt: the graphs are exported on this machine's CPU and built on the GPU machine
         build_device = "cpu" if cfg.backend == "tensorrt" else cfg.device
         states = move_states(modules.states(), build_device)
-        built, graphs, one_row = {}, {}, None
+        built, graphs, timed = {}, {}, None
         if products.applies(cfg, weight_bytes(modules.target), cpu_kernels_used(cfg)):
-            # the one-row product from timing the plain graph both ways (specc/products.py)
-            plain = next(p for p in plans if p.name.startswith("plain"))
-            one_row = products.measure_one_row(plain, modules.by_name(), tree, states["target"], build_device)
-            if cfg.progress:
-                print(f"one-row product: {one_row['product']} (plain step " + ", ".join(
-                    f"{k} {v:.1f} ms" for k, v in one_row["ms"].items()) + ")", file=sys.stderr)
+            # the few-row products from timing the plain and the step graph both ways (specc/products.py)
+            timed = products.measure_all(plans, modules.by_name(), tree, states["target"], build_device, cfg.progress)
         bar = tqdm(plans, desc=f"compile ({cfg.backend})", unit="graph", disable=not cfg.progress)
-        with one_row_kernel(None if one_row is None else products.CHOICES[one_row["product"]]):
+        with kernel_choice(**products.as_choice(timed)):
             for plan in bar:
                 bar.set_postfix_str(plan.name)
                 ep = built[plan.name] = build_program(plan, modules.by_name(), built, tree,
@@ -137,7 +133,7 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
             target.tokenizer.save_pretrained(stage / "target")
         kind.save(weights, stage / "draft", target.model)
         trt = tensorrt_engines(stage, out, graphs, cfg.progress) if cfg.backend == "tensorrt" else None
-        write_manifest(stage, cfg, target, modules, entry, tree, report, graphs, cache_len, trt, one_row)
+        write_manifest(stage, cfg, target, modules, entry, tree, report, graphs, cache_len, trt, timed)
         if cfg.adaptive:
             measure_family(stage, cfg.progress)
     return out
@@ -232,7 +228,7 @@ def measure_tree(cfg: CompileConfig, depth_limit: int):
 
 def write_manifest(stage: Path, cfg: CompileConfig, target, modules: EngineModules, entry: dict, tree: Tree,
                    report: dict | None, graphs: dict, cache_len: int, trt: dict | None = None,
-                   one_row: dict | None = None) -> None:
+                   timed_products: dict | None = None) -> None:
     """specc.json: versions, what was compiled, and the sha256 of every file (never a pickle)."""
     import transformers
 
@@ -265,8 +261,8 @@ def write_manifest(stage: Path, cfg: CompileConfig, target, modules: EngineModul
             "target": weight_bytes(modules.target), "drafter": weight_bytes(modules.draft, shared=modules.target)}},
         # the graphs call the specc_cpu products (kernels/cpu_kernels.py), which load must build or find
         "cpu_kernels": cpu_kernels_used(cfg),
-        # which product the float32 one-row products take, from timing the plain graph both ways (products.py)
-        **({"one_row": one_row} if one_row is not None else {}),
+        # which product float32's few-row products take, from timing graphs both ways (products.py)
+        **({"products": timed_products} if timed_products is not None else {}),
         **({"adaptive": {"sizes": adaptive.family_sizes(tree)}} if cfg.adaptive else {}),
         **({"tensorrt": trt} if trt is not None else {}),
         "files": files,

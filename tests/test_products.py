@@ -1,5 +1,6 @@
-"""The one-row product chosen by timing (specc/products.py): compile lowers the plain graph with the
-C++ product and with the reduction, times both, and lowers every graph under the faster."""
+"""Few-row products chosen by timing (specc/products.py): compile lowers the plain graph and the whole
+tree's step graph with the C++ product and with the reduction, times each pair, and lowers every
+graph under the faster."""
 import json
 
 import pytest
@@ -13,42 +14,46 @@ from test_engine import PROMPT, hf_greedy
 from tiny import tiny_model
 
 
-def test_plain_graph_timed_both_ways_and_the_faster_kept(tmp_path, monkeypatch):
+def test_graphs_timed_both_ways_and_the_faster_kept(tmp_path, monkeypatch):
     if not load_cpu_kernel():
         pytest.skip("the C++ CPU products do not build here")
-    # the timing says the opposite of the rule (C++ at one row on AVX-512 CPUs), so the engine can
-    # only follow it if the measurement decides
-    faster = "reduction" if rows_linear.float32_kernel() else "cpp"
     model = tiny_model("llama", vocab=64, layers=2, seed=3)
     model.save_pretrained(tmp_path / "m")
     monkeypatch.setattr(products, "MIN_TIMED_BYTES", 0)  # a tiny target is timed too
+    # The timing says the opposite of the rule (the C++ product at one row and from KERNEL_MIN_ROWS on
+    # AVX-512 CPUs), so the engine can only follow it if the measurement decides.
+    faster = "reduction" if rows_linear.float32_kernel() else "cpp"
     timed, lowered = [], []
-    real_time = products.time_calls
+    real_time, real_lower = products.time_calls, compiler.lower_graph
 
-    def time_calls(calls, device):  # really timed; then the test decides which one is "faster"
+    def time_calls(calls, device):  # really timed; then the test says which one is "faster"
         ms = real_time(calls, device)
         assert len(ms) == 2 and all(t > 0 for t in ms)
-        timed.append(ms)
+        timed.append((rows_linear.ONE_ROW_KERNEL, rows_linear.MANY_ROWS_KERNEL))
         return [1.0, 2.0] if faster == "cpp" else [2.0, 1.0]
 
     def lower_graph(backend, ep, state, folder, name, *rest):
-        lowered.append((name, rows_linear.ONE_ROW_KERNEL))
+        lowered.append((name, rows_linear.ONE_ROW_KERNEL, rows_linear.MANY_ROWS_KERNEL))
         return real_lower(backend, ep, state, folder, name, *rest)
 
-    real_lower = compiler.lower_graph
     monkeypatch.setattr(products, "time_calls", time_calls)
     monkeypatch.setattr(compiler, "lower_graph", lower_graph)
-    path = specc.compile(tmp_path / "m", drafter="ngram", tree="chain:2", backend="inductor", output_dir=tmp_path / "e",
+    # chain:4: a 5-node step graph, so the products from KERNEL_MIN_ROWS rows are timed too
+    path = specc.compile(tmp_path / "m", drafter="ngram", tree="chain:4", backend="inductor", output_dir=tmp_path / "e",
                          max_len=64, prefill_chunk=8, progress=False, modes="greedy", ngram_corpus="none")
     m = json.loads((path / "specc.json").read_text())
-    assert len(timed) == 1 and m["one_row"]["product"] == faster and set(m["one_row"]["ms"]) == {"cpp", "reduction"}
-    # every graph of the engine was lowered under the faster product, and nothing outside the choice
-    assert {n for n, _ in lowered} == set(m["graphs"]) and {v for _, v in lowered} == {faster == "cpp"}
-    assert rows_linear.ONE_ROW_KERNEL is None
+    assert {k: (v["product"], v["graph"]) for k, v in m["products"].items()} == {
+        "one_row": (faster, "plain_greedy"), "many_rows": (faster, "step_greedy")}
+    assert all(set(v["ms"]) == {"cpp", "reduction"} for v in m["products"].values())
+    # the step graph was timed with the one-row choice already made; the timing restored the rule after
+    assert len(timed) == 2 and rows_linear.ONE_ROW_KERNEL is None and rows_linear.MANY_ROWS_KERNEL is None
+    # every graph of the engine was lowered under the faster products, nothing outside the choice
+    on = faster == "cpp"
+    assert {n for n, *_ in lowered} == set(m["graphs"]) and {tuple(c) for _, *c in lowered} == {(on, on)}
     engine = specc.load(path)
-    assert engine.generate(PROMPT, max_new_tokens=20, stop_at_eos=False).token_ids == hf_greedy(model, PROMPT, 20)
-    assert engine.generate(PROMPT, max_new_tokens=20, stop_at_eos=False, speculate=False).token_ids == \
-        hf_greedy(model, PROMPT, 20)
+    for speculate in (True, False):
+        res = engine.generate(PROMPT, max_new_tokens=20, stop_at_eos=False, speculate=speculate)
+        assert res.token_ids == hf_greedy(model, PROMPT, 20)
 
 
 def test_small_targets_and_other_backends_keep_the_rule():
@@ -67,9 +72,14 @@ def test_the_choice_is_part_of_the_compile_cache_key():
     from specc.backends import kernel_sources
 
     keys = set()
-    for on in (None, True, False):
-        with rows_linear.one_row_kernel(on):
-            keys.add(kernel_sources())
-            assert rows_linear.kernel_rows(1, torch.float32) == (rows_linear.float32_kernel() if on is None else on)
-            assert rows_linear.kernel_rows(1, torch.int8)  # int8 always takes the C++ product
-    assert len(keys) == 3 and rows_linear.ONE_ROW_KERNEL is None
+    for one in (None, True, False):
+        for many in (None, True, False):
+            with rows_linear.kernel_choice(one, many):
+                keys.add(kernel_sources())
+                rule = rows_linear.float32_kernel()
+                assert rows_linear.kernel_rows(1, torch.float32) == (rule if one is None else one)
+                assert rows_linear.kernel_rows(rows_linear.KERNEL_MIN_ROWS, torch.float32) == (
+                    rule if many is None else many)
+                assert not rows_linear.kernel_rows(2, torch.float32)  # 2-4 rows: the reduction
+                assert rows_linear.kernel_rows(1, torch.int8)  # int8 always takes the C++ product
+    assert len(keys) == 9 and rows_linear.ONE_ROW_KERNEL is None and rows_linear.MANY_ROWS_KERNEL is None
