@@ -17,7 +17,7 @@ from tiny import tiny_model
 def test_graphs_timed_both_ways_and_the_faster_kept(tmp_path, monkeypatch):
     if not load_cpu_kernel():
         pytest.skip("the C++ CPU products do not build here")
-    model = tiny_model("llama", vocab=64, layers=2, seed=3)
+    model = tiny_model("llama", vocab=64, layers=1, seed=3)  # one layer: five Inductor compiles here
     model.save_pretrained(tmp_path / "m")
     monkeypatch.setattr(products, "MIN_TIMED_BYTES", 0)  # a tiny target is timed too
     # The timing says the opposite of the rule (the C++ product at one row and from KERNEL_MIN_ROWS on
