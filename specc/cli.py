@@ -173,10 +173,8 @@ def cmd_inspect(a) -> int:
     if m.get("cpu_kernels") or m.get("quant", {}).get("cpu_kernel"):
         print("native      the few-row products call specc's C++ CPU products (kernels/*_cpu.cpp), built for "
               "the loading machine on first use")
-    for setting, r in m.get("products", {}).items():
-        from specc.kernels.rows_linear import KERNEL_MIN_ROWS
-
-        rows = "one row" if setting == "one_row" else f"{KERNEL_MIN_ROWS}+ rows"
+    for setting, r in m.get("products", {}).items():  # many_rows: KERNEL_MIN_ROWS (5) rows or more
+        rows = "one row" if setting == "one_row" else "5+ rows"
         print(f"products    float32 at {rows}: {r['product']}, timed at compile ({r['graph']} "
               + ", ".join(f"{k} {v:.1f} ms" for k, v in r["ms"].items()) + ")")
     print(f"modes       {', '.join(m['modes'])} (one graph per mode for each graph that samples)")

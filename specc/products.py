@@ -51,7 +51,8 @@ def measure(setting: str, plan, modules: dict, tree, state: dict[str, torch.Tens
             chosen: dict | None = None) -> dict:
     """Lower `plan` with the C++ product and with the reduction for `setting` ("one_row" or
     "many_rows"; the settings already `chosen` as given), time both (interleaved rounds, medians) and
-    return {"product": the faster, "ms": both}."""
+    return {"product": the faster, "graph": the plan's name, "ms": both}. The program is captured
+    afresh (the main loop captures it again: a few seconds, and --dump-ir's files stay whole)."""
     ep = build_program(plan, modules, {}, tree)
     args = example_inputs(ep)
     # ids and positions as zeros, temperature, top-p and uniforms as ones (as adaptive.time_family)
