@@ -1,7 +1,7 @@
 """Offline tau of ngram chain drafts on the target's own greedy text: which continuation to draft.
 
     python examples/ngram_tau.py ENGINE [--limit 10] [--max-new-tokens 128] [--ks 4,8] [--min-ngrams 3,1]
-                                 [--corpus 1000,3000,8000]
+                                 [--corpus 8000,15000]
 
 ENGINE is any compiled SmolLM2 engine: its plain decoding gives the greedy text of each prompt
 (HumanEval and MT-Bench, chat template on). Then, for a chain of k drafts, every step is replayed

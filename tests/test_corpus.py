@@ -150,3 +150,40 @@ def test_corpus_refusals(corpus_setup, tmp_path, options, words):
         specc.compile(root / "m", backend="eager", output_dir=tmp_path / "e", max_len=64, progress=False,
                       modes="greedy", **kw)
     assert not (tmp_path / "e").exists()
+
+
+def test_sharegpt_table_is_kept_in_the_cache(tmp_path, monkeypatch):
+    """The ShareGPT table is built once per machine: kept in the cache directory, read back by the
+    next process, rebuilt when the file is torn; never half-written; keyed by the tokenizer."""
+    from conftest import tiny_tokenizer
+    from specc import corpus
+
+    monkeypatch.setenv("SPECC_CACHE", str(tmp_path))
+    built = []
+
+    def sequences(tokenizer, conversations=corpus.CONVERSATIONS):
+        built.append(conversations)
+        return [[3, 4, 5, 3, 4, 5, 3, 4, 5, 6]] * 3
+
+    monkeypatch.setattr(corpus, "sharegpt_sequences", sequences)
+    monkeypatch.setattr(corpus, "_BUILT", {})
+    tok = tiny_tokenizer()
+    path = corpus.sharegpt_table_path(tok, 64)
+    first = corpus.build_sharegpt_table(tok, 64)
+    assert built == [corpus.CONVERSATIONS] and path.is_file() and path.stat().st_mode & 0o777 == 0o644
+    assert corpus.build_sharegpt_table(tok, 64) is first and len(built) == 1  # this process's copy
+
+    monkeypatch.setattr(corpus, "_BUILT", {})  # a new process: read from the cache, not built
+    again = corpus.build_sharegpt_table(tok, 64)
+    assert len(built) == 1 and again.keys() == first.keys()
+    assert all((again[k] == first[k]).all() for k in first)
+    assert CorpusTable(again, 64).ranked([3, 4]) == (2, [5], [pytest.approx(3 * 3 / 10)])
+
+    path.write_bytes(path.read_bytes()[:50])  # torn by a crash: built again, and kept whole
+    monkeypatch.setattr(corpus, "_BUILT", {})
+    corpus.build_sharegpt_table(tok, 64)
+    assert len(built) == 2
+    monkeypatch.setattr(corpus, "_BUILT", {})
+    corpus.build_sharegpt_table(tok, 64)
+    assert len(built) == 2 and [p.name for p in path.parent.iterdir()] == [path.name]
+    assert corpus.sharegpt_table_path(tok, 80) != path  # another vocabulary, another table
