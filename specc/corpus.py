@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -24,14 +25,16 @@ import numpy as np
 
 MAX_CONTEXT = 3  # context lengths 1 .. MAX_CONTEXT
 WIDTH = 4  # ranked next tokens kept per context
-MIN_COUNT = 3  # rarer contexts predict poorly and triple the table (measured: tau unchanged)
+MIN_COUNT = 3  # rarer contexts predict poorly and double the table (measured: tau unchanged)
 # ShareGPT's assistant turns from every conversation `specc train` may read (those before
 # data.CALIBRATION_START, never MT-Bench or HumanEval). Replayed on SmolLM2's greedy text
 # (examples/ngram_tau.py --corpus; BENCHMARKS.md "ngram drafts from a corpus table"), chain:8:
 # MT-Bench tau 1.36 with lookup alone, 1.65 with 8000 conversations (10M tokens, 37 MB of table),
-# 1.69 with 15000 (18.7M tokens, 64 MB); HumanEval 2.33, 2.61, 2.64. Neither contexts of 4-5
-# tokens, nor the human turns, nor contexts seen twice, nor 8 ranked tokens moved tau by 0.5%.
+# 1.69 with 15000 (18.7M tokens, 64 MB); HumanEval 2.33, 2.61, 2.64. Contexts of 4-5 tokens, the
+# human turns, contexts whose top next token followed only twice and 8 ranked tokens each moved tau
+# by 0.6% at most.
 CONVERSATIONS = 15000
+TABLE_VERSION = 1  # of how a table is built from its corpus: part of the cached table's key
 FILE = "corpus.safetensors"
 
 
@@ -143,13 +146,15 @@ _BUILT: dict[str, dict[str, np.ndarray]] = {}  # this process's tables by cache 
 def sharegpt_table_path(tokenizer, vocab: int) -> Path:
     """Where the ShareGPT table of this tokenizer is kept between compiles (~1 min to build on 2
     cores): the cache directory, under a key of everything the table depends on."""
-    from .data import sharegpt_path
+    from .data import CALIBRATION_START, sharegpt_path
     from .models import cache_dir
 
     data = sharegpt_path()
-    what = {"vocab": vocab, "tokens": sorted(tokenizer.get_vocab().items()), "conversations": CONVERSATIONS,
-            "max_context": MAX_CONTEXT, "width": WIDTH, "min_count": MIN_COUNT,
-            "data": [data.name, data.stat().st_size]}
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # vocabulary, merges, normalizer: all of it
+    what = {"version": TABLE_VERSION, "vocab": vocab,
+            "tokenizer": backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
+            "conversations": min(CONVERSATIONS, CALIBRATION_START), "max_context": MAX_CONTEXT, "width": WIDTH,
+            "min_count": MIN_COUNT, "data": [data.name, data.stat().st_size]}
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:20]
     return cache_dir() / "corpus" / f"sharegpt-{key}.safetensors"
 
@@ -175,10 +180,13 @@ def build_sharegpt_table(tokenizer, vocab: int, progress: bool = False) -> dict[
         arrays = build_table(seqs, vocab)
         how = f"{sum(map(len, seqs))} tokens of ShareGPT's assistant turns"
         try:
+            for tmp in path.parent.glob(".sharegpt-*.tmp"):  # left by a compile killed while writing
+                if time.time() - tmp.stat().st_mtime > 3600:
+                    tmp.unlink(missing_ok=True)
             save_table(arrays, path.parent, path.name)
-        except OSError as e:  # a read-only cache: the next compile builds it again
+        except Exception as e:  # a read-only or full cache (safetensors' own error is no OSError): built next time
             if progress:
-                print(f"ngram corpus: could not keep the table in {path.parent} ({e.strerror or e})")
+                print(f"ngram corpus: could not keep the table in {path.parent} ({e})")
     _BUILT[path.name] = arrays
     if progress:
         rows = ", ".join(f"{len(arrays[f'keys{n}'])} of {n}" for n in range(1, MAX_CONTEXT + 1))
@@ -187,24 +195,18 @@ def build_sharegpt_table(tokenizer, vocab: int, progress: bool = False) -> dict[
 
 
 def save_table(arrays: dict[str, np.ndarray], folder: Path, name: str = FILE) -> None:
-    """Write the table whole or not at all: to a temporary name, then renamed (a reader never sees
-    half a file, even with another process writing the same one)."""
-    import os
-    import tempfile
-
+    """Write the table whole or not at all: to a temporary name of this process, then renamed (a
+    reader never sees half a file, even with another process writing the same one)."""
     from safetensors.numpy import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = folder / f".{name}.{os.getpid()}.tmp"
     try:
-        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, tmp)
-        os.chmod(tmp, 0o644)  # mkstemp's file is private; a table is not
+        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp))
         os.replace(tmp, folder / name)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
 
 
 def load_table(folder: Path, vocab: int) -> CorpusTable:

@@ -2,6 +2,8 @@
 drafts against a node-by-node walk, and engines that draft from a corpus (greedy identity, the
 table's drafts accepted, adaptive classes, refusals)."""
 import json
+import os
+import time
 from collections import Counter
 
 import pytest
@@ -152,17 +154,20 @@ def test_corpus_refusals(corpus_setup, tmp_path, options, words):
     assert not (tmp_path / "e").exists()
 
 
-def test_sharegpt_table_is_kept_in_the_cache(tmp_path, monkeypatch):
+def test_sharegpt_table_is_kept_in_the_cache(tmp_path, monkeypatch, capsys):
     """The ShareGPT table is built once per machine: kept in the cache directory, read back by the
-    next process, rebuilt when the file is torn; never half-written; keyed by the tokenizer."""
+    next process, rebuilt when the file is torn; never half-written; keyed by what it depends on; a
+    cache it cannot write only costs the next compile a rebuild."""
     from conftest import tiny_tokenizer
+    from tokenizers import normalizers
+
     from specc import corpus
 
     monkeypatch.setenv("SPECC_CACHE", str(tmp_path))
     built = []
 
-    def sequences(tokenizer, conversations=corpus.CONVERSATIONS):
-        built.append(conversations)
+    def sequences(tokenizer):
+        built.append(tokenizer)
         return [[3, 4, 5, 3, 4, 5, 3, 4, 5, 6]] * 3
 
     monkeypatch.setattr(corpus, "sharegpt_sequences", sequences)
@@ -170,20 +175,42 @@ def test_sharegpt_table_is_kept_in_the_cache(tmp_path, monkeypatch):
     tok = tiny_tokenizer()
     path = corpus.sharegpt_table_path(tok, 64)
     first = corpus.build_sharegpt_table(tok, 64)
-    assert built == [corpus.CONVERSATIONS] and path.is_file() and path.stat().st_mode & 0o777 == 0o644
+    assert len(built) == 1 and path.is_file()
     assert corpus.build_sharegpt_table(tok, 64) is first and len(built) == 1  # this process's copy
 
     monkeypatch.setattr(corpus, "_BUILT", {})  # a new process: read from the cache, not built
     again = corpus.build_sharegpt_table(tok, 64)
     assert len(built) == 1 and again.keys() == first.keys()
     assert all((again[k] == first[k]).all() for k in first)
-    assert CorpusTable(again, 64).ranked([3, 4]) == (2, [5], [pytest.approx(3 * 3 / 10)])
+    assert CorpusTable(again, 64).ranked([3, 4]) == (2, [5], [pytest.approx(9 / 10)])
 
     path.write_bytes(path.read_bytes()[:50])  # torn by a crash: built again, and kept whole
+    stale, fresh = path.parent / f".{path.name}.1.tmp", path.parent / f".{path.name}.2.tmp"
+    for f, age in ((stale, 7200), (fresh, 0)):  # a killed compile's leftover, and another's write under way
+        f.write_bytes(b"x")
+        os.utime(f, (time.time() - age, time.time() - age))
     monkeypatch.setattr(corpus, "_BUILT", {})
     corpus.build_sharegpt_table(tok, 64)
     assert len(built) == 2
     monkeypatch.setattr(corpus, "_BUILT", {})
     corpus.build_sharegpt_table(tok, 64)
-    assert len(built) == 2 and [p.name for p in path.parent.iterdir()] == [path.name]
-    assert corpus.sharegpt_table_path(tok, 80) != path  # another vocabulary, another table
+    assert len(built) == 2 and sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, fresh.name])
+
+    # Another vocabulary, tokenizer, corpus size or count threshold: another table.
+    other = tiny_tokenizer()
+    other.backend_tokenizer.normalizer = normalizers.Lowercase()
+    keys = {path, corpus.sharegpt_table_path(tok, 80), corpus.sharegpt_table_path(other, 64)}
+    monkeypatch.setattr(corpus, "CONVERSATIONS", 10)
+    keys.add(corpus.sharegpt_table_path(tok, 64))
+    monkeypatch.setattr(corpus, "MIN_COUNT", 2)
+    keys.add(corpus.sharegpt_table_path(tok, 64))
+    assert len(keys) == 5
+
+    def cannot_write(*args, **kwargs):
+        from safetensors import SafetensorError
+        raise SafetensorError("Error while serializing: No space left on device")
+
+    monkeypatch.setattr(corpus, "save_table", cannot_write)  # a full cache: the table still comes back
+    monkeypatch.setattr(corpus, "_BUILT", {})
+    assert corpus.build_sharegpt_table(tok, 64, progress=True).keys() == first.keys() and len(built) == 3
+    assert "could not keep the table" in capsys.readouterr().out
