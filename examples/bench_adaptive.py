@@ -8,7 +8,8 @@ latency table alone), and for ngram the first two with `+lookup` (prompt lookup 
 table), all on the same backend. On each prompt set,
 each prompt runs plain (through the first engine) and every engine back to back, --rounds times,
 the order rotated every round. Figures: per method the median over rounds of the median tokens/s
-over prompts (decode and prefill, the whole generate() call), tau, and how often the adaptive
+over prompts (decode and prefill, the whole generate() call), each round's own ratio to plain (the
+spread a verdict has on a noisy machine), tau, and how often the adaptive
 engines ran each graph of their family (plain: plain decoding, or a resting drafter's plain step). Greedy
 outputs are checked identical.
 
@@ -135,12 +136,16 @@ def main() -> int:
                 for m in methods:
                     identical[m] += rnd == 0 and outs[m] == outs["plain"]
         med = {m: statistics.median(statistics.median(r) for r in tps[m]) for m in methods}
-        lines += [f"#### {ds} ({len(ids)} prompts)\n", "| method | tau | tokens/s (median) | vs plain | steps by graph "
-                  "| greedy identical |", "|---|---|---|---|---|---|"]
+        # Each round's own ratio of medians: how far one round's verdict strays from the median's.
+        by_round = {m: [statistics.median(r) / statistics.median(p) for r, p in zip(tps[m], tps["plain"])]
+                    for m in methods}
+        lines += [f"#### {ds} ({len(ids)} prompts)\n", "| method | tau | tokens/s (median) | vs plain | vs plain by round "
+                  "| steps by graph | greedy identical |", "|---|---|---|---|---|---|---|"]
         for m in methods:
             t = tau[m][0] / tau[m][1] if tau[m][1] else None
             shown = ", ".join(f"{k}: {v}" for k, v in sorted(chosen[m].items(), key=lambda kv: graph_order(kv[0])))
-            lines.append(f"| {m} | {t:.2f} | {med[m]:.2f} | {med[m] / med['plain']:.2f}x | {shown} | "
+            rounds = " / ".join(f"{v:.2f}x" for v in by_round[m])
+            lines.append(f"| {m} | {t:.2f} | {med[m]:.2f} | {med[m] / med['plain']:.2f}x | {rounds} | {shown} | "
                          f"{identical[m]}/{len(ids)} |")
             plain_label = benchfile.PLAIN + (f", {a.quant} weights ({a.backend})" if a.quant != "none" else "")
             figures.append(benchfile.figure(plain_label if m == "plain" else f"{m} ({a.backend})", ds, model=model,
