@@ -3,8 +3,9 @@
 
 The `matvec` pass (passes/matvec.py) puts it in place of a few-row `linear` whose weight is a
 parameter. Its body is what Inductor compiles: on CPU, for int8 weights and for float32 ones at 1 row
-or from KERNEL_MIN_ROWS rows on a CPU with AVX-512, the hand-written product `specc_cpu::dense_matvec` (dense_cpu.cpp) where
-it builds (or as `specc compile` timed the two on the machine: kernel_choice, specc/products.py);
+or at more rows than the reduction holds in cache (many_rows) on a CPU with AVX-512, the hand-written
+product `specc_cpu::dense_matvec` (dense_cpu.cpp) where it builds (or as `specc compile` timed the two
+on the machine: kernel_choice, specc/products.py);
 everywhere else the reference below, one multiply and row sum per input row over the
 weight, which Inductor fuses into one streaming reduction loop (the pass's form for every weight
 before this op existed; still its form for other weights computed in the graph).
@@ -20,12 +21,22 @@ from torch import Tensor
 from .cpu_kernels import load_cpu_kernel
 
 # Whole step graphs of SmolLM2 on the AVX-512 EPYC, 2026-12-04 (BENCHMARKS.md "Cost curve of the step
-# graphs, 2026-12-04"): the C++ product wins at 1 row (plain step 12.9 ms, 16.2 with the reduction) and
-# from 5 (8 rows: 17.3 against 29.3), the reduction at 2-4 rows (2 rows: 13.4-13.9 against 14.7-15.3
-# with the C++ product). int8 weights take the C++ product at every row count: it wins from 4 rows
-# (8 rows: 6.6 against 10.2 ms for the products alone, "Decode-step products alone"), is within 10%
-# at 1-2, and one product keeps plain and step graphs computing each row alike.
-KERNEL_MIN_ROWS = 5
+# graphs, 2026-12-04"): the C++ product won at 1 row (plain step 12.9 ms, 16.2 with the reduction) and
+# at 8 rows (17.3 against 29.3), the reduction at 2-4 rows. int8 weights take the C++ product at every
+# row count: it wins from 4 rows (8 rows: 6.6 against 10.2 ms for the products alone, "Decode-step
+# products alone"), is within 10% at 1-2, and one product keeps plain and step graphs computing each
+# row alike.
+#
+# Which float32 rows are "many" depends on the weight's width, not on the row count alone: Inductor's
+# reduction reads every input row from L1 once per weight row, and it streams the weight at the
+# memory's speed only while those rows stay there beside it. On a Zen 4 EPYC (32 KB L1d, 2026-12-06;
+# products alone, all of SmolLM2's weights of one width, interleaved with the C++ product, whose tiles
+# load each input vector once per 4 weight rows): 576 inputs, 6 rows (13.5 KB) 8.5 ms against 9.4, 7
+# rows (15.8 KB) 11.8 against 10.3; 1536 inputs, 2 rows (12 KB) 3.6 against 3.9, 3 rows (18 KB) 5.0
+# against 4.0. Whole step graphs of the chain:8 family moved with it (examples/time_family.py, 5
+# rounds, against the same family under the rule of 5+ rows at every width): 5 nodes 26.0 -> 20.7 ms,
+# 6 nodes 26.7 -> 22.5, the rest within 0.6 ms (BENCHMARKS.md "Products by weight width, 2026-12-06").
+REDUCTION_ROWS_BYTES = 14 << 10
 # Without AVX-512, float32 takes the reduction. On an AVX2 EPYC (2026-12-05) the portable loop lost to
 # it at every row count (products alone, 1 row: 27.5 against 15.5 ms; 8 rows: 63.2 against 28.6); the
 # AVX2 tiles that replaced it tie with it in whole step graphs (examples/time_family.py, two runs of
@@ -34,10 +45,10 @@ KERNEL_MIN_ROWS = 5
 # 8.6 against 66.1 ms at 1 row, "Decode-step products alone 2"). None: read the CPU.
 FLOAT32_KERNEL: bool | None = None
 # For a target large enough to tell them apart the float32 products are measured, not ruled:
-# `specc compile` lowers the plain graph (one row) and the whole tree's step graph (KERNEL_MIN_ROWS
-# rows or more) both ways, times each pair and keeps the faster (specc/products.py). On a Zen 4 EPYC
-# (2026-12-06) the C++ product that won at one row on an earlier AVX-512 EPYC lost there: plain 23.4
-# ms, slower than the reduction's 2-node step (20.8 ms).
+# `specc compile` lowers the plain graph (one row) and the whole tree's step graph (many rows) both
+# ways, times each pair and keeps the faster (specc/products.py). On a Zen 4 EPYC (2026-12-06) the
+# C++ product that won at one row on an earlier AVX-512 EPYC lost there: plain 23.4 ms, slower than
+# the reduction's 2-node step (20.8 ms).
 # None: the rule above (float32_kernel()); True / False: what kernel_choice() set while lowering.
 ONE_ROW_KERNEL: bool | None = None
 MANY_ROWS_KERNEL: bool | None = None
@@ -45,8 +56,8 @@ MANY_ROWS_KERNEL: bool | None = None
 
 @contextlib.contextmanager
 def kernel_choice(one_row: bool | None = None, many_rows: bool | None = None):
-    """Lower graphs under these choices for float32 products of one row and of KERNEL_MIN_ROWS rows or
-    more (True: the C++ product, False: the reduction, None: the rule)."""
+    """Lower graphs under these choices for float32 products of one row and of many rows (many_rows;
+    True: the C++ product, False: the reduction, None: the rule)."""
     global ONE_ROW_KERNEL, MANY_ROWS_KERNEL
     saved, (ONE_ROW_KERNEL, MANY_ROWS_KERNEL) = (ONE_ROW_KERNEL, MANY_ROWS_KERNEL), (one_row, many_rows)
     try:
@@ -58,7 +69,7 @@ def kernel_choice(one_row: bool | None = None, many_rows: bool | None = None):
 def choice_key() -> str:
     """What decides rows_linear's body besides its source: part of the compile cache's key."""
     return (f"float32_kernel={float32_kernel()},one_row={ONE_ROW_KERNEL},many_rows={MANY_ROWS_KERNEL},"
-            f"min_rows={KERNEL_MIN_ROWS}")
+            f"reduction_rows_bytes={REDUCTION_ROWS_BYTES}")
 
 
 def float32_kernel() -> bool:
@@ -82,18 +93,25 @@ def rows_linear(x: Tensor, w: Tensor) -> Tensor:
     """x @ w.T, for the few rows of a decode step. A `triton_op`: export keeps it as one node and
     Inductor traces into this body, which picks the C++ product on CPU float32, at the row counts where
     it was measured faster, when it builds."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and kernel_rows(x.numel() // x.shape[-1], w.dtype) \
+    K = x.shape[-1]
+    if x.device.type == "cpu" and x.dtype == torch.float32 and kernel_rows(x.numel() // K, K, w.dtype) \
             and load_cpu_kernel():
         return torch.ops.specc_cpu.dense_matvec(x, w)
     return rows_linear_reference(x, w)
 
 
-def kernel_rows(rows: int, dtype: torch.dtype) -> bool:
-    """Whether the C++ product computes `rows` rows over a weight of `dtype` (where it was measured faster)."""
+def many_rows(rows: int, inputs: int) -> bool:
+    """Whether `rows` float32 input rows of `inputs` values each are more than the reduction holds in
+    cache (REDUCTION_ROWS_BYTES): from there the C++ product, where it is used, computes them."""
+    return rows > 1 and rows * inputs * 4 > REDUCTION_ROWS_BYTES
+
+
+def kernel_rows(rows: int, inputs: int, dtype: torch.dtype) -> bool:
+    """Whether the C++ product computes `rows` rows of `inputs` values over a weight of `dtype` (where it
+    was measured faster)."""
     if dtype == torch.int8:
         return True
-    if dtype == torch.float32 and rows == 1 and ONE_ROW_KERNEL is not None:
-        return ONE_ROW_KERNEL
-    if dtype == torch.float32 and rows >= KERNEL_MIN_ROWS and MANY_ROWS_KERNEL is not None:
-        return MANY_ROWS_KERNEL
-    return dtype == torch.float32 and float32_kernel() and (rows == 1 or rows >= KERNEL_MIN_ROWS)
+    if dtype != torch.float32 or not (rows == 1 or many_rows(rows, inputs)):
+        return False
+    chosen = ONE_ROW_KERNEL if rows == 1 else MANY_ROWS_KERNEL
+    return float32_kernel() if chosen is None else chosen

@@ -173,8 +173,9 @@ def cmd_inspect(a) -> int:
     if m.get("cpu_kernels") or m.get("quant", {}).get("cpu_kernel"):
         print("native      the few-row products call specc's C++ CPU products (kernels/*_cpu.cpp), built for "
               "the loading machine on first use")
-    for setting, r in m.get("products", {}).items():  # many_rows: KERNEL_MIN_ROWS (5) rows or more
-        rows = "one row" if setting == "one_row" else "5+ rows"
+    for setting, r in m.get("products", {}).items():
+        rows = "one row" if setting == "one_row" else "5+ rows" if "from_rows" not in r else ", ".join(
+            f"{n}+ rows of {k} inputs" for k, n in r["from_rows"].items())  # engines before the widths: 5+
         print(f"products    float32 at {rows}: {r['product']}, timed at compile ({r['graph']} "
               + ", ".join(f"{k} {v:.1f} ms" for k, v in r["ms"].items()) + ")")
     print(f"modes       {', '.join(m['modes'])} (one graph per mode for each graph that samples)")

@@ -4,9 +4,10 @@ rows_linear (kernels/rows_linear.py) computes a decode step's few-row products e
 product (kernels/dense_cpu.cpp) or with Inductor's streaming reduction, and which is faster depends
 on the CPU: at one row the C++ product won on one AVX-512 EPYC (12.9 against 16.2 ms per plain step)
 and lost on a Zen 4 one (22.4 against 14.1 ms). So `specc compile` lowers the plain graph (one row)
-and the whole tree's step graph (KERNEL_MIN_ROWS rows or more; 2-4 rows keep the reduction) both
-ways, times each pair side by side and lowers every graph under the faster. The manifest's
-`products` holds each choice with both times. The plain graph matters most: every speedup is
+and the whole tree's step graph (its products of many rows: more input rows than the reduction keeps
+in cache, rows_linear.many_rows; the others keep the reduction) both ways, times each pair side by
+side and lowers every graph under the faster. The manifest's `products` holds each choice with both
+times (and, for many rows, from how many rows that is at each weight width). The plain graph matters most: every speedup is
 measured against it and an adaptive engine falls back to it. Targets too small for the products to
 show (below MIN_TIMED_BYTES of weights read per token, e.g. the tests' tiny models) keep the rule.
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from specc.kernels.rows_linear import KERNEL_MIN_ROWS, kernel_choice
+from specc.kernels.rows_linear import kernel_choice, many_rows
 
 from .adaptive import time_calls
 from .backends import InductorGraph, lower_graph
@@ -37,14 +38,25 @@ def applies(cfg, bytes_per_token: int, cpu_kernels: bool) -> bool:
         and cfg.torch_dtype == torch.float32 and cfg.quant == FLOAT and bytes_per_token >= MIN_TIMED_BYTES
 
 
-def timed_plans(plans: list) -> dict:
+def timed_plans(plans: list, widths: set[int]) -> dict:
     """What to time: {"one_row": the first plain graph, "many_rows": the first whole-tree step graph
-    when it verifies KERNEL_MIN_ROWS nodes or more}."""
+    when some product of it, over weights of these input widths, has many rows}."""
     out = {"one_row": next(p for p in plans if p.name.startswith("plain"))}
     step = next((p for p in plans if p.module == "target" and p.name.startswith("step_")), None)
-    if step is not None and step.T >= KERNEL_MIN_ROWS:
+    if step is not None and any(many_rows(step.T, k) for k in widths):
         out["many_rows"] = step
     return out
+
+
+def weight_widths(state: dict[str, torch.Tensor]) -> set[int]:
+    """The input widths of the target's float matrices (what its products' rows are as wide as)."""
+    return {t.shape[1] for t in state.values() if t.dim() == 2 and t.is_floating_point()}
+
+
+def rows_from(widths: set[int], most: int) -> dict[int, int]:
+    """{input width: the fewest rows, up to `most`, that count as many there} (for the manifest)."""
+    firsts = {k: next((r for r in range(2, most + 1) if many_rows(r, k)), None) for k in sorted(widths)}
+    return {k: r for k, r in firsts.items() if r is not None}
 
 
 def measure(setting: str, plan, modules: dict, tree, state: dict[str, torch.Tensor], device: str,
@@ -65,14 +77,17 @@ def measure(setting: str, plan, modules: dict, tree, state: dict[str, torch.Tens
             calls.append((InductorGraph(Path(tmp) / entry["file"], state, entry["state_keys"]), args))
         ms = time_calls(calls, device)
     times = dict(zip(CHOICES, ms))
-    return {"product": min(times, key=times.get), "graph": plan.name, "ms": times}
+    out = {"product": min(times, key=times.get), "graph": plan.name, "ms": times}
+    if setting == "many_rows":  # what "many" meant for this target: the rule of rows_linear.many_rows
+        out["from_rows"] = {str(k): r for k, r in rows_from(weight_widths(state), plan.T).items()}
+    return out
 
 
 def measure_all(plans: list, modules: dict, tree, state: dict[str, torch.Tensor], device: str,
                 progress: bool = False) -> dict:
     """The manifest's `products`: each timed setting's choice (measure), one after the other."""
     out = {}
-    for setting, plan in timed_plans(plans).items():
+    for setting, plan in timed_plans(plans, weight_widths(state)).items():
         out[setting] = measure(setting, plan, modules, tree, state, device, as_choice(out))
         if progress:
             r = out[setting]

@@ -668,15 +668,15 @@ def test_gguf_cpu_product_matches_the_weights(fmt):
 def test_dense_cpu_product_matches_float64(k, monkeypatch):
     """dense_cpu.cpp's product against float64 for 1..17 rows (past a tile of 8) and odd output
     counts, over float32 and int8 weights; each row's result is the same bit for bit alone and among
-    others; rows_linear's CPU body calls it (float32: at 1 row and from KERNEL_MIN_ROWS on AVX-512,
-    forced on here so that every machine checks it; without AVX-512 never); bad shapes are refused."""
+    others; rows_linear's CPU body calls it (float32: at 1 row and at many rows on AVX-512, forced on
+    here so that every machine checks it; without AVX-512 never); bad shapes are refused."""
     from specc.kernels import rows_linear
     from specc.kernels.cpu_kernels import load_cpu_kernel, load_error
-    from specc.kernels.rows_linear import KERNEL_MIN_ROWS, kernel_rows
+    from specc.kernels.rows_linear import kernel_rows, many_rows
 
     assert load_cpu_kernel(), load_error()
     monkeypatch.setattr(rows_linear, "FLOAT32_KERNEL", False)
-    assert not any(kernel_rows(r, torch.float32) for r in range(1, 17)) and kernel_rows(1, torch.int8)
+    assert not any(kernel_rows(r, k, torch.float32) for r in range(1, 17)) and kernel_rows(1, k, torch.int8)
     monkeypatch.setattr(rows_linear, "FLOAT32_KERNEL", None)  # read from the CPU
     assert rows_linear.float32_kernel() == torch.backends.cpu.get_cpu_capability().startswith("AVX512")
     monkeypatch.setattr(rows_linear, "FLOAT32_KERNEL", True)
@@ -688,8 +688,8 @@ def test_dense_cpu_product_matches_float64(k, monkeypatch):
         torch.testing.assert_close(out.double(), x.double() @ w.double().T, atol=1e-4, rtol=1e-5)
         for r in {0, rows - 1}:
             assert torch.equal(torch.ops.specc_cpu.dense_matvec(x[:, r:r + 1], w), out[:, r:r + 1])
-        if rows == 1 or rows >= KERNEL_MIN_ROWS:
-            assert kernel_rows(rows, torch.float32) and torch.equal(ops.rows_linear(x, w), out)
+        if rows == 1 or many_rows(rows, k):
+            assert kernel_rows(rows, k, torch.float32) and torch.equal(ops.rows_linear(x, w), out)
         torch.testing.assert_close(K.rows_linear_reference(x, w), out, atol=1e-4, rtol=1e-5)
     w8 = torch.randint(-127, 128, (67, k), generator=gen(k + 1), dtype=torch.int8)
     for rows in (1, 2, 5, 9):
@@ -753,27 +753,30 @@ def test_gguf_linear_compiles_to_native_cpu_code(tmp_path, monkeypatch, cpu_kern
     torch.testing.assert_close(torch._inductor.aoti_load_package(pkg)(x, qs, d, m), x @ want.T, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("cpu_kernel,rows", [(True, 1), (True, 3), (True, 6), (False, 6)])
-def test_rows_linear_compiles_to_native_cpu_code(tmp_path, monkeypatch, cpu_kernel, rows):
+@pytest.mark.parametrize("cpu_kernel,rows,inputs", [(True, 1, 40), (True, 3, 40), (True, 6, 40), (False, 6, 40),
+                                                     (True, 3, 1300), (True, 2, 1300)])
+def test_rows_linear_compiles_to_native_cpu_code(tmp_path, monkeypatch, cpu_kernel, rows, inputs):
     """The matvec pass's op for a parameter weight: AOTInductor compiles the C++ product through the
-    proxy executor at 1 row and from KERNEL_MIN_ROWS (on AVX-512; forced here so that every machine
-    compiles it), else (or without it) the reference's reduction as native code."""
+    proxy executor at 1 row and at many rows (on AVX-512; forced here so that every machine compiles
+    it): more input rows than the reduction keeps in cache, so 3 rows of 1300 inputs (15.2 KB) but not
+    2 (10.2 KB) nor 6 of 40. Else (or without it) the reference's reduction as native code."""
     import zipfile
 
     from specc.kernels import cpu_kernels, rows_linear
-    from specc.kernels.rows_linear import KERNEL_MIN_ROWS
+    from specc.kernels.rows_linear import REDUCTION_ROWS_BYTES
     from specc.passes.matvec import matvec
 
+    assert 2 * 1300 * 4 <= REDUCTION_ROWS_BYTES < 3 * 1300 * 4  # the cases above straddle the budget
     monkeypatch.setattr(rows_linear, "FLOAT32_KERNEL", True)
     if not cpu_kernel:
         monkeypatch.setitem(cpu_kernels._state, "loaded", False)
-    lin = nn.Linear(40, 24).requires_grad_(False)
-    x = torch.randn(1, rows, 40, generator=gen(8))
+    lin = nn.Linear(inputs, 24).requires_grad_(False)
+    x = torch.randn(1, rows, inputs, generator=gen(8))
     ep = matvec(capture(lin, (x,)))
     assert count(ep, lambda t: t is ops.rows_linear.default) == 1
     pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "rows.pt2"))
     code = "".join(zipfile.ZipFile(pkg).read(n).decode(errors="ignore")
                    for n in zipfile.ZipFile(pkg).namelist() if n.endswith(".cpp"))
-    native = cpu_kernel and (rows == 1 or rows >= KERNEL_MIN_ROWS)
+    native = cpu_kernel and (rows == 1 or (rows == 3 and inputs == 1300))
     assert ("proxy_executor_call_function" in code and "dense_matvec" in code) == native
     torch.testing.assert_close(torch._inductor.aoti_load_package(pkg)(x), lin(x), atol=1e-5, rtol=1e-5)

@@ -8,20 +8,21 @@ import torch
 
 import specc
 from specc import compiler, products
+from specc.cli import main as cli_main
 from specc.kernels import rows_linear
 from specc.kernels.cpu_kernels import load_cpu_kernel
 from test_engine import PROMPT, hf_greedy
 from tiny import tiny_model
 
 
-def test_graphs_timed_both_ways_and_the_faster_kept(tmp_path, monkeypatch):
+def test_graphs_timed_both_ways_and_the_faster_kept(tmp_path, monkeypatch, capsys):
     if not load_cpu_kernel():
         pytest.skip("the C++ CPU products do not build here")
     model = tiny_model("llama", vocab=64, layers=1, seed=3)  # one layer: five Inductor compiles here
     model.save_pretrained(tmp_path / "m")
     monkeypatch.setattr(products, "MIN_TIMED_BYTES", 0)  # a tiny target is timed too
-    # The timing says the opposite of the rule (the C++ product at one row and from KERNEL_MIN_ROWS on
-    # AVX-512 CPUs), so the engine can only follow it if the measurement decides.
+    # The timing says the opposite of the rule (the C++ product at one row and at many rows on AVX-512
+    # CPUs), so the engine can only follow it if the measurement decides.
     faster = "reduction" if rows_linear.float32_kernel() else "cpp"
     timed, lowered = [], []
     real_time, real_lower = products.time_calls, compiler.lower_graph
@@ -38,18 +39,23 @@ def test_graphs_timed_both_ways_and_the_faster_kept(tmp_path, monkeypatch):
 
     monkeypatch.setattr(products, "time_calls", time_calls)
     monkeypatch.setattr(compiler, "lower_graph", lower_graph)
-    # chain:4: a 5-node step graph, so the products from KERNEL_MIN_ROWS rows are timed too
+    # chain:4: a 5-node step graph; with a budget this small its rows are many, so those are timed too
+    monkeypatch.setattr(rows_linear, "REDUCTION_ROWS_BYTES", 4 * 4 * 32)
     path = specc.compile(tmp_path / "m", drafter="ngram", tree="chain:4", backend="inductor", output_dir=tmp_path / "e",
                          max_len=64, prefill_chunk=8, progress=False, modes="greedy", ngram_corpus="none")
     m = json.loads((path / "specc.json").read_text())
     assert {k: (v["product"], v["graph"]) for k, v in m["products"].items()} == {
         "one_row": (faster, "plain_greedy"), "many_rows": (faster, "step_greedy")}
     assert all(set(v["ms"]) == {"cpp", "reduction"} for v in m["products"].values())
+    # many rows here: 32-wide rows from 5 (640 bytes > 512), 64-wide from 3; inspect says so
+    assert m["products"]["many_rows"]["from_rows"] == {"32": 5, "64": 3}
     # the step graph was timed with the one-row choice already made; the timing restored the rule after
     assert len(timed) == 2 and rows_linear.ONE_ROW_KERNEL is None and rows_linear.MANY_ROWS_KERNEL is None
     # every graph of the engine was lowered under the faster products, nothing outside the choice
     on = faster == "cpp"
     assert {n for n, *_ in lowered} == set(m["graphs"]) and {tuple(c) for _, *c in lowered} == {(on, on)}
+    assert cli_main(["inspect", str(path)]) == 0
+    assert f"float32 at 5+ rows of 32 inputs, 3+ rows of 64 inputs: {faster}" in capsys.readouterr().out
     engine = specc.load(path)
     for speculate in (True, False):
         res = engine.generate(PROMPT, max_new_tokens=20, stop_at_eos=False, speculate=speculate)
@@ -77,9 +83,26 @@ def test_the_choice_is_part_of_the_compile_cache_key():
             with rows_linear.kernel_choice(one, many):
                 keys.add(kernel_sources())
                 rule = rows_linear.float32_kernel()
-                assert rows_linear.kernel_rows(1, torch.float32) == (rule if one is None else one)
-                assert rows_linear.kernel_rows(rows_linear.KERNEL_MIN_ROWS, torch.float32) == (
-                    rule if many is None else many)
-                assert not rows_linear.kernel_rows(2, torch.float32)  # 2-4 rows: the reduction
-                assert rows_linear.kernel_rows(1, torch.int8)  # int8 always takes the C++ product
+                assert rows_linear.kernel_rows(1, 576, torch.float32) == (rule if one is None else one)
+                # many rows: past the reduction's cache budget, so fewer of wider rows (SmolLM2's widths)
+                for rows, inputs in ((7, 576), (3, 1536)):
+                    assert rows_linear.kernel_rows(rows, inputs, torch.float32) == (rule if many is None else many)
+                for rows, inputs in ((2, 576), (6, 576), (2, 1536)):  # the reduction, whatever was chosen
+                    assert not rows_linear.kernel_rows(rows, inputs, torch.float32)
+                assert rows_linear.kernel_rows(1, 576, torch.int8)  # int8 always takes the C++ product
+                assert rows_linear.kernel_rows(3, 64, torch.int8)
     assert len(keys) == 9 and rows_linear.ONE_ROW_KERNEL is None and rows_linear.MANY_ROWS_KERNEL is None
+
+
+def test_many_rows_is_a_cache_budget_of_input_rows():
+    """The rows the reduction handles are those whose float32 inputs fit REDUCTION_ROWS_BYTES; one row
+    is never "many" (it has its own choice), and the manifest says from how many rows each width is."""
+    budget = rows_linear.REDUCTION_ROWS_BYTES
+    for inputs in (16, 64, 576, 1536, 4096, 8192):
+        for rows in range(1, 40):
+            assert rows_linear.many_rows(rows, inputs) == (rows > 1 and rows * inputs * 4 > budget)
+    assert products.rows_from({576, 1536, 64}, 9) == {576: 7, 1536: 3}  # 64 inputs: none up to 9 rows
+    assert products.rows_from({4096}, 9) == {4096: 2}
+    widths = products.weight_widths({"w": torch.zeros(3, 576), "v": torch.zeros(576, 1536),
+                                     "cache": torch.zeros(2, 3, 4, 5), "ids": torch.zeros(3, 7, dtype=torch.long)})
+    assert widths == {576, 1536}
