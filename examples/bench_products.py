@@ -143,6 +143,8 @@ def main() -> int:
     def uses(f: str, g, r: int) -> str:
         dtype = torch.int8 if f == "int8" else torch.float32
         by = {k: "C++" if rl.kernel_rows(r, k, dtype) else "reduction" for k in (widths if g == "all" else [g])}
+        if f == "float32" and any(r == 1 or rl.many_rows(r, k) for k in by):  # settings compile times
+            by = {k: v + " (rule; compile times it)" if r == 1 or rl.many_rows(r, k) else v for k, v in by.items()}
         return next(iter(by.values())) if len(set(by.values())) == 1 else ", ".join(f"{v} at {k}" for k, v in by.items())
 
     rows_out = [{"weights": f, "inputs": g, "rows": r, "cpp_ms": round(med[(f, g, r, True)], 3),

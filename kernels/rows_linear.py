@@ -33,9 +33,11 @@ from .cpu_kernels import load_cpu_kernel
 # products alone, all of SmolLM2's weights of one width, interleaved with the C++ product, whose tiles
 # load each input vector once per 4 weight rows): 576 inputs, 6 rows (13.5 KB) 8.5 ms against 9.4, 7
 # rows (15.8 KB) 11.8 against 10.3; 1536 inputs, 2 rows (12 KB) 3.6 against 3.9, 3 rows (18 KB) 5.0
-# against 4.0. Whole step graphs of the chain:8 family moved with it (examples/time_family.py, 5
-# rounds, against the same family under the rule of 5+ rows at every width): 5 nodes 26.0 -> 20.7 ms,
-# 6 nodes 26.7 -> 22.5, the rest within 0.6 ms (BENCHMARKS.md "Products by weight width, 2026-12-06").
+# against 4.0 (in examples/bench_products.py --by-width the 1536-wide pair sits within the machine's
+# spread from 3 rows; the 576-wide weights, 80% of the bytes, set the budget). Whole step graphs of
+# the chain:8 family moved with it (examples/time_family.py, 5 rounds, against the same family under
+# the rule of 5+ rows at every width): 5 nodes 26.0 -> 20.7 ms, 6 nodes 26.7 -> 22.5, the rest within
+# 0.6 ms (BENCHMARKS.md "Products by weight width, 2026-12-06").
 REDUCTION_ROWS_BYTES = 14 << 10
 # Without AVX-512, float32 takes the reduction. On an AVX2 EPYC (2026-12-05) the portable loop lost to
 # it at every row count (products alone, 1 row: 27.5 against 15.5 ms; 8 rows: 63.2 against 28.6); the
