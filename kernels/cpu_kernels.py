@@ -3,7 +3,8 @@
 * `specc_cpu::gguf_matvec(x, qs, d, m, fmt)`: with a weight in GGUF blocks (gguf_cpu.cpp), the body of
   specc::gguf_linear on CPU;
 * `specc_cpu::dense_matvec(x, w)`: with a float32 or int8 [out, in] weight (dense_cpu.cpp), the
-  body of specc::rows_linear on CPU at the row counts it was measured faster (rows_linear.py).
+  body of specc::rows_linear on CPU at the row counts and input widths it was measured faster
+  (rows_linear.py).
 
 The C++ is compiled for the machine it runs on (`-march=native`, once per machine, source and
 torch version, under ~/.cache/specc/cpp) the first time a CPU product needs it, with the compiler

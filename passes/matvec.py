@@ -9,9 +9,10 @@ verifies in far fewer plain steps' time than through GEMMs. Larger products (pre
 The eager backend keeps `linear`, since there the product would be materialised.
 
 A weight the graph holds as a parameter goes to `specc::rows_linear` (kernels/rows_linear.py), whose
-body is that reduction, or on CPU float32 at 1 row and from 5 rows a hand-written C++ product that
-prefetches the weight and stays near the memory's speed where the reduction turns compute-bound
-(BENCHMARKS.md, "Cost curve of the step graphs, 2026-12-04"), where compile timed it faster on the
+body is that reduction, or on CPU float32 at 1 row and at many rows (more input rows than the
+reduction keeps in cache: rows_linear.many_rows) a hand-written C++ product that stays near the
+memory's speed where the reduction falls behind (BENCHMARKS.md, "Cost curve of the step graphs,
+2026-12-04" and "Products by weight width, 2026-12-06"), where compile timed it faster on the
 machine (specc/products.py).
 An int8 weight cast to float in the graph (`--quant int8`) goes to it as the int8 tensor, the cast
 now rows_linear's; any other weight computed in the graph keeps the reduction written out in the
@@ -29,7 +30,7 @@ import specc.kernels  # noqa: F401  (registers torch.ops.specc.rows_linear)
 aten = torch.ops.aten
 
 # Measured on CPU: the reduction with the rows stored beats MKL's GEMM up to 32 rows (LM head: 12.8 vs
-# 30.2 ms at 16 rows), and with the C++ product from 5 rows a step verifying 8 nodes costs 1.35 plain
+# 30.2 ms at 16 rows), and with the C++ product from 5 rows (the rule then) a step verifying 8 nodes costs 1.35 plain
 # steps (17.3 ms; 29.3 with the reductions alone, 106 with GEMMs), 16 nodes 1.82 (23.5 ms). Not yet
 # measured on CUDA against cuBLAS (the graphs are captured on the CPU, so a per-device limit would
 # have to come from the compile config).

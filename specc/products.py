@@ -40,7 +40,10 @@ def applies(cfg, bytes_per_token: int, cpu_kernels: bool) -> bool:
 
 def timed_plans(plans: list, widths: set[int]) -> dict:
     """What to time: {"one_row": the first plain graph, "many_rows": the first whole-tree step graph
-    when some product of it, over weights of these input widths, has many rows}."""
+    when some product of it, over weights of these input widths, has many rows}. The many-rows choice
+    timed there applies to every product with many rows, also at widths or row counts that graph does
+    not have (a 5-node tree over SmolLM2 times only its 1536-wide rows; its 7-node family members' 576-wide
+    rows, and a drafter's own products, follow the same choice)."""
     out = {"one_row": next(p for p in plans if p.name.startswith("plain"))}
     step = next((p for p in plans if p.module == "target" and p.name.startswith("step_")), None)
     if step is not None and any(many_rows(step.T, k) for k in widths):

@@ -680,6 +680,8 @@ def test_dense_cpu_product_matches_float64(k, monkeypatch):
     monkeypatch.setattr(rows_linear, "FLOAT32_KERNEL", None)  # read from the CPU
     assert rows_linear.float32_kernel() == torch.backends.cpu.get_cpu_capability().startswith("AVX512")
     monkeypatch.setattr(rows_linear, "FLOAT32_KERNEL", True)
+    assert not many_rows(17, 96) and many_rows(7, 577) and not many_rows(6, 577)  # the budget, 14 KB
+    monkeypatch.setattr(rows_linear, "REDUCTION_ROWS_BYTES", 0)  # every row count "many": the op's body at each
     w = torch.randn(67, k, generator=gen(k))
     for rows in (1, 2, 3, 8, 9, 17):
         x = torch.randn(1, rows, k, generator=gen(rows))
@@ -688,8 +690,7 @@ def test_dense_cpu_product_matches_float64(k, monkeypatch):
         torch.testing.assert_close(out.double(), x.double() @ w.double().T, atol=1e-4, rtol=1e-5)
         for r in {0, rows - 1}:
             assert torch.equal(torch.ops.specc_cpu.dense_matvec(x[:, r:r + 1], w), out[:, r:r + 1])
-        if rows == 1 or many_rows(rows, k):
-            assert kernel_rows(rows, k, torch.float32) and torch.equal(ops.rows_linear(x, w), out)
+        assert kernel_rows(rows, k, torch.float32) and torch.equal(ops.rows_linear(x, w), out)
         torch.testing.assert_close(K.rows_linear_reference(x, w), out, atol=1e-4, rtol=1e-5)
     w8 = torch.randint(-127, 128, (67, k), generator=gen(k + 1), dtype=torch.int8)
     for rows in (1, 2, 5, 9):
@@ -753,13 +754,14 @@ def test_gguf_linear_compiles_to_native_cpu_code(tmp_path, monkeypatch, cpu_kern
     torch.testing.assert_close(torch._inductor.aoti_load_package(pkg)(x, qs, d, m), x @ want.T, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("cpu_kernel,rows,inputs", [(True, 1, 40), (True, 3, 40), (True, 6, 40), (False, 6, 40),
+@pytest.mark.parametrize("cpu_kernel,rows,inputs", [(True, 1, 40), (True, 3, 40), (True, 6, 40), (False, 3, 1300),
                                                      (True, 3, 1300), (True, 2, 1300)])
 def test_rows_linear_compiles_to_native_cpu_code(tmp_path, monkeypatch, cpu_kernel, rows, inputs):
     """The matvec pass's op for a parameter weight: AOTInductor compiles the C++ product through the
     proxy executor at 1 row and at many rows (on AVX-512; forced here so that every machine compiles
     it): more input rows than the reduction keeps in cache, so 3 rows of 1300 inputs (15.2 KB) but not
-    2 (10.2 KB) nor 6 of 40. Else (or without it) the reference's reduction as native code."""
+    2 (10.2 KB) nor 6 of 40. Else (or without it, even at many rows) the reference's reduction as
+    native code."""
     import zipfile
 
     from specc.kernels import cpu_kernels, rows_linear

@@ -94,15 +94,27 @@ def test_the_choice_is_part_of_the_compile_cache_key():
     assert len(keys) == 9 and rows_linear.ONE_ROW_KERNEL is None and rows_linear.MANY_ROWS_KERNEL is None
 
 
-def test_many_rows_is_a_cache_budget_of_input_rows():
-    """The rows the reduction handles are those whose float32 inputs fit REDUCTION_ROWS_BYTES; one row
-    is never "many" (it has its own choice), and the manifest says from how many rows each width is."""
-    budget = rows_linear.REDUCTION_ROWS_BYTES
-    for inputs in (16, 64, 576, 1536, 4096, 8192):
-        for rows in range(1, 40):
-            assert rows_linear.many_rows(rows, inputs) == (rows > 1 and rows * inputs * 4 > budget)
-    assert products.rows_from({576, 1536, 64}, 9) == {576: 7, 1536: 3}  # 64 inputs: none up to 9 rows
+def test_many_rows_is_a_cache_budget_of_input_rows(monkeypatch):
+    """The rows the reduction handles are those whose float32 inputs fit REDUCTION_ROWS_BYTES (14 KB);
+    one row is never "many" (it has its own choice); the manifest says from how many rows each width
+    is; the step graph's products are timed only where it has many rows; the budget keys the cache."""
+    from specc.backends import kernel_sources
+    from specc.drafters import get_kind
+    from specc.plans import graph_plans
+    from specc.tree import parse_tree
+
+    assert rows_linear.REDUCTION_ROWS_BYTES == 14 << 10
+    many = rows_linear.many_rows
+    assert not many(6, 576) and many(7, 576) and not many(2, 1536) and many(3, 1536)
+    assert not many(1, 10 ** 6) and many(2, 4096) and not many(56, 64) and many(57, 64)
     assert products.rows_from({4096}, 9) == {4096: 2}
     widths = products.weight_widths({"w": torch.zeros(3, 576), "v": torch.zeros(576, 1536),
                                      "cache": torch.zeros(2, 3, 4, 5), "ids": torch.zeros(3, 7, dtype=torch.long)})
     assert widths == {576, 1536}
+    # the step graph is timed where some width has many rows at its node count, else only plain
+    plans = graph_plans(get_kind("ngram"), parse_tree("chain:4"), 8, 40, "inductor", modes=("greedy",))  # + 5-node step
+    assert set(products.timed_plans(plans, {576})) == {"one_row"}
+    assert set(products.timed_plans(plans, {576, 1536})) == {"one_row", "many_rows"}
+    key = kernel_sources()
+    monkeypatch.setattr(rows_linear, "REDUCTION_ROWS_BYTES", 16 << 10)
+    assert kernel_sources() != key
