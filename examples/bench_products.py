@@ -11,7 +11,9 @@ reference: the reduction Inductor compiles). The weights are graph inputs, so th
 one copy. Each round times every package in turn; figures are medians over all calls. The last
 column says which of the two the compiler picks at that row count (kernels/rows_linear.py); that
 depends on the weight's input width too, so `--by-width` compiles and times the weights of each
-input width (576: q/k/v, output, gate/up, LM head; 1536: down) as packages of their own.
+input width (576: q/k/v, output, gate/up, LM head; 1536: down) as packages of their own. Without it,
+a row count where specc picks differently per width times neither of the two columns' forms: only
+`--by-width` times what specc runs there.
 """
 import argparse
 import statistics
