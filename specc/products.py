@@ -7,8 +7,8 @@ and lost on a Zen 4 one (22.4 against 14.1 ms). So `specc compile` lowers the pl
 and the whole tree's step graph (its products of many rows: more input rows than the reduction keeps
 in cache, rows_linear.many_rows; the others keep the reduction) both ways, times each pair side by
 side and lowers every graph under the faster. The manifest's `products` holds each choice with both
-times (and, for many rows, from how many rows that is at each weight width). The plain graph matters most: every speedup is
-measured against it and an adaptive engine falls back to it. Targets too small for the products to
+times (and, for many rows, from how many rows that is at each weight width). The plain graph matters
+most: every speedup is measured against it and an adaptive engine falls back to it. Targets too small for the products to
 show (below MIN_TIMED_BYTES of weights read per token, e.g. the tests' tiny models) keep the rule.
 """
 from __future__ import annotations
@@ -42,8 +42,8 @@ def timed_plans(plans: list, widths: set[int]) -> dict:
     """What to time: {"one_row": the first plain graph, "many_rows": the first whole-tree step graph
     when some product of it, over weights of these input widths, has many rows}. The many-rows choice
     timed there applies to every product with many rows, also at widths or row counts that graph does
-    not have (a 5-node tree over SmolLM2 times only its 1536-wide rows; its 7-node family members' 576-wide
-    rows, and a drafter's own products, follow the same choice)."""
+    not have (a 5-node tree over SmolLM2 times only its 1536-wide rows; the 576-wide rows of other
+    graphs with 7 or more, and a drafter's own products, follow the same choice)."""
     out = {"one_row": next(p for p in plans if p.name.startswith("plain"))}
     step = next((p for p in plans if p.module == "target" and p.name.startswith("step_")), None)
     if step is not None and any(many_rows(step.T, k) for k in widths):
