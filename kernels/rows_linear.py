@@ -22,10 +22,10 @@ from .cpu_kernels import load_cpu_kernel
 
 # Whole step graphs of SmolLM2 on the AVX-512 EPYC, 2026-12-04 (BENCHMARKS.md "Cost curve of the step
 # graphs, 2026-12-04"): the C++ product won at 1 row (plain step 12.9 ms, 16.2 with the reduction) and
-# at 8 rows (17.3 against 29.3), the reduction at 2-4 rows (measured then at those row counts only). int8 weights take the C++ product at every
-# row count: it wins from 4 rows (8 rows: 6.6 against 10.2 ms for the products alone, "Decode-step
-# products alone"), is within 10% at 1-2, and one product keeps plain and step graphs computing each
-# row alike.
+# at 8 rows (17.3 against 29.3), the reduction at 2-4 rows (measured then at those row counts only).
+# int8 weights take the C++ product at every row count: it wins from 4 rows (8 rows: 6.6 against 10.2
+# ms for the products alone, "Decode-step products alone"), is within 10% at 1-2, and one product
+# keeps plain and step graphs computing each row alike.
 #
 # Which float32 rows are "many" depends on the weight's width, not on the row count alone: Inductor's
 # reduction reads every input row from L1 once per weight row, and it streams the weight at the
@@ -35,10 +35,10 @@ from .cpu_kernels import load_cpu_kernel
 # rows (15.8 KB) 11.8 against 10.3; 1536 inputs, 2 rows (12 KB) 3.6 against 3.9, 3 rows (18 KB) 5.0
 # against 4.0 in one run and 4.9 against 5.1 in another (examples/bench_products.py --by-width: 3.7
 # against 4.6; at 1536 inputs the two are within the machine's spread from 3 rows, and the 576-wide
-# weights, 80% of the bytes, set the budget). Whole step graphs of
-# the chain:8 family moved with it (examples/time_family.py, 5 rounds, against the same family under
-# the rule of 5+ rows at every width): 5 nodes 26.0 -> 20.7 ms, 6 nodes 26.7 -> 22.5, the rest within
-# 0.6 ms (BENCHMARKS.md "Products by weight width, 2026-12-06").
+# weights, 80% of the bytes, set the budget). Whole step graphs of the chain:8 family moved with it
+# (examples/time_family.py, 5 rounds, against the same family under the rule of 5+ rows at every
+# width): 5 nodes 26.0 -> 20.7 ms, 6 nodes 26.7 -> 22.5, the rest within 0.6 ms (BENCHMARKS.md
+# "Products by weight width, 2026-12-06").
 REDUCTION_ROWS_BYTES = 14 << 10
 # Without AVX-512, float32 takes the reduction. On an AVX2 EPYC (2026-12-05) the portable loop lost to
 # it at every row count (products alone, 1 row: 27.5 against 15.5 ms; 8 rows: 63.2 against 28.6); the

@@ -30,8 +30,9 @@ import specc.kernels  # noqa: F401  (registers torch.ops.specc.rows_linear)
 aten = torch.ops.aten
 
 # Measured on CPU: the reduction with the rows stored beats MKL's GEMM up to 32 rows (LM head: 12.8 vs
-# 30.2 ms at 16 rows), and with the C++ product from 5 rows (the rule then) a step verifying 8 nodes costs 1.35 plain
-# steps (17.3 ms; 29.3 with the reductions alone, 106 with GEMMs), 16 nodes 1.82 (23.5 ms). Not yet
+# 30.2 ms at 16 rows), and with the C++ product from 5 rows (the rule then) a step verifying 8 nodes
+# costs 1.35 plain steps (17.3 ms; 29.3 with the reductions alone, 106 with GEMMs), 16 nodes 1.82
+# (23.5 ms). Not yet
 # measured on CUDA against cuBLAS (the graphs are captured on the CPU, so a per-device limit would
 # have to come from the compile config).
 MAX_ROWS = 16

@@ -8,8 +8,9 @@ and the whole tree's step graph (its products of many rows: more input rows than
 in cache, rows_linear.many_rows; the others keep the reduction) both ways, times each pair side by
 side and lowers every graph under the faster. The manifest's `products` holds each choice with both
 times (and, for many rows, from how many rows that is at each weight width). The plain graph matters
-most: every speedup is measured against it and an adaptive engine falls back to it. Targets too small for the products to
-show (below MIN_TIMED_BYTES of weights read per token, e.g. the tests' tiny models) keep the rule.
+most: every speedup is measured against it and an adaptive engine falls back to it. Targets too
+small for the products to show (below MIN_TIMED_BYTES of weights read per token, e.g. the tests'
+tiny models) keep the rule.
 """
 from __future__ import annotations
 
