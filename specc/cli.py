@@ -168,8 +168,12 @@ def cmd_inspect(a) -> int:
         print(f"            + corpus table ({corpus['source']}): contexts of 1-3 tokens "
               f"{' / '.join(map(str, corpus['contexts']))}, drafting where lookup matches fewer than "
               f"{corpus['min_lookup']} tokens")
-    print(f"backend     {m['backend']} on {m.get('device', 'cpu')}, dtype {m['dtype']}, max_len {m['max_len']}, "
-          f"prefill chunk {m['prefill_chunk']}")
+    chunks = m.get("prefill_chunks", [m["prefill_chunk"]])
+    timed = m.get("prefill_ms")
+    prefill = (f"prefill chunks {', '.join(map(str, chunks))}" if len(chunks) > 1 else f"prefill chunk {chunks[0]}") + (
+        " (ms a call: " + ", ".join(f"{k} {'token' if k == '1' else 'tokens'} {v:.1f}" for k, v in timed.items()) + ")"
+        if timed else "")
+    print(f"backend     {m['backend']} on {m.get('device', 'cpu')}, dtype {m['dtype']}, max_len {m['max_len']}, {prefill}")
     if m.get("cpu_kernels") or m.get("quant", {}).get("cpu_kernel"):
         print("native      the few-row products call specc's C++ CPU products (kernels/*_cpu.cpp), built for "
               "the loading machine on first use")
@@ -306,7 +310,9 @@ def add_compile(sub) -> None:
                         "mode adds its own graphs and compile time")
     c.add_argument("--dtype", default="float32")
     c.add_argument("--max-len", type=int, default=1024)
-    c.add_argument("--prefill-chunk", type=int, default=32)
+    c.add_argument("--prefill-chunk", default="128,32", metavar="N[,N...]",
+                   help="prompt tokens per prefill call: one size or several, each a graph (default 128,32: a "
+                        "prompt goes through the cheapest mix of calls, as timed at compile)")
     c.add_argument("--dump-ir", default=None, metavar="DIR", help="write the graph after every pass here")
     c.add_argument("--quant", default="none", metavar="none|int8",
                    help="weight-only quantization of the target's linear layers and LM head: int8 (one scale per "

@@ -36,7 +36,8 @@ from .pipeline import example_inputs
 from .plans import build_program, graph_plans
 from .quant import FLOAT, GGUF_FILE, load_blocks, quantize_, read_gguf_blocks, save_blocks, weight_bytes
 from .runtime import Engine
-from .signature import SampledChildren
+from .prefill import prefill_name
+from .signature import SampledChildren, graph_name
 from .target_module import TargetModule, module_state, sliding_window_limit
 from .tree import Tree, tree_from_paths
 
@@ -98,12 +99,14 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
     entry = kind.entry(cfg, weights, tree)
     if cfg.ngram_branch:
         entry["ngram_branch"] = branch_entry(tree, cfg.ngram_branch)
-    cache_len = cfg.max_len + max(cfg.prefill_chunk, tree.size)
+    # A padded call writes past the prompt: room for the smallest chunk's padding (larger chunks pad
+    # only where they fit, specc/prefill.py) and for a step's tree.
+    cache_len = cfg.max_len + max(cfg.prefill_chunks[-1], tree.size)
     # gguf: the file's own blocks for the products (the float model above is what they decode to)
     quant = read_gguf_blocks(gguf_path(target), target.model.config) if cfg.quant == "gguf" else cfg.quant
     modules = build_modules(kind, target.model, weights, entry, tree, cache_len, quant)
-    plans = graph_plans(kind, tree, cfg.prefill_chunk, cache_len, cfg.backend, modules.sampled, cfg.modes,
-                        cfg.adaptive)
+    plans = graph_plans(kind, tree, cfg.prefill_chunks[-1], cache_len, cfg.backend, modules.sampled, cfg.modes,
+                        cfg.adaptive, cfg.prefill_chunks[:-1])
     with staging(out) as stage:
         # tensorrt: the graphs are exported on this machine's CPU and built on the GPU machine
         build_device = "cpu" if cfg.backend == "tensorrt" else cfg.device
@@ -134,6 +137,8 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
         kind.save(weights, stage / "draft", target.model)
         trt = tensorrt_engines(stage, out, graphs, cfg.progress) if cfg.backend == "tensorrt" else None
         write_manifest(stage, cfg, target, modules, entry, tree, report, graphs, cache_len, trt, timed)
+        if len(cfg.prefill_chunks) > 1 and cfg.backend != "tensorrt":  # TensorRT's graphs run on the GPU machine
+            measure_prefill(stage, cfg.progress)
         if cfg.adaptive:
             measure_family(stage, cfg.progress)
     return out
@@ -142,6 +147,28 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
 def gguf_path(target) -> Path:
     """The GGUF file a target was loaded from (CompileConfig allows --quant gguf only for one)."""
     return default_gguf() if target.source == "default" else Path(target.source)
+
+
+def measure_prefill(stage: Path, progress: bool) -> None:
+    """The milliseconds of each prefill call size on this machine (1: the one-token graph), into the
+    manifest's `prefill_ms`: what the runtime's prefill plan weighs (specc/prefill.py)."""
+    engine = load(stage, check_hashes=False)
+    m = engine.manifest
+    mode = "greedy" if "greedy" in engine.modes else engine.modes[0]
+    calls = []
+    for size in [1] + list(engine.chunks):
+        key = graph_name("plain" if size == 1 else prefill_name(size, engine.chunk), mode)
+        # a whole chunk at the cache's start (its inputs: tokens, start, valid tokens, then sampling's)
+        args = [torch.zeros(s, dtype=getattr(torch, d.replace("torch.", "")), device=engine.device)
+                for s, d in m["graphs"][key]["inputs"]]
+        if size > 1:
+            args[2] = torch.tensor(size, device=engine.device)
+        calls.append((engine.graphs[key], [a if a.dtype != torch.float32 else a + 1 for a in args]))
+    ms = adaptive.time_calls([(fn, tuple(args)) for fn, args in calls], engine.device)
+    m["prefill_ms"] = {str(size): t for size, t in zip([1] + list(engine.chunks), ms)}
+    if progress:
+        print("prefill: " + ", ".join(f"{k} tokens {v:.1f} ms" for k, v in m["prefill_ms"].items()) + " a call")
+    (stage / MANIFEST).write_text(json.dumps(m, indent=1, default=str))
 
 
 def measure_family(stage: Path, progress: bool) -> None:
@@ -254,7 +281,8 @@ def write_manifest(stage: Path, cfg: CompileConfig, target, modules: EngineModul
                    "weights_sha256": files.get("target/model.safetensors")},
         "drafter": entry, "tree": {"spec": cfg.tree_spec, **tree.to_manifest(), **(report or {})},
         "backend": cfg.backend, "device": cfg.device, "dtype": str(cfg.torch_dtype).replace("torch.", ""),
-        "modes": list(cfg.modes), "max_len": cfg.max_len, "prefill_chunk": cfg.prefill_chunk, "cache_len": cache_len,
+        "modes": list(cfg.modes), "max_len": cfg.max_len, "prefill_chunk": cfg.prefill_chunks[-1],
+        "prefill_chunks": list(cfg.prefill_chunks), "cache_len": cache_len,
         "graphs": graphs,
         # what each decoded token reads: the target's weights (quantized or not) and the drafter's own
         "quant": {"target": cfg.quant, "drafter": FLOAT, "bytes_per_token": {
@@ -389,7 +417,8 @@ def load(path, check_hashes: bool = True, device: str | None = None, cuda_graphs
         quant = load_blocks(path / "target" / GGUF_FILE)
     modules = build_modules(kind, model, weights, entry, tree, cache_len, quant)
     plans = {p.name: p for p in graph_plans(kind, tree, chunk, cache_len, backend, modules.sampled,
-                                            manifest["modes"], "adaptive" in manifest)}
+                                            manifest["modes"], "adaptive" in manifest,
+                                            manifest.get("prefill_chunks", [chunk])[:-1])}
     states = move_states(modules.states(), device)
     graphs = {}
     for name, g in manifest["graphs"].items():

@@ -46,7 +46,11 @@ class CompileConfig:
     modes: str | tuple[str, ...] = MODES
     dtype: str = "float32"
     max_len: int = 1024
-    prefill_chunk: int = 32
+    # Prompt tokens per prefill call: one size, or several ("128,32" or a tuple), each a chunk graph
+    # (specc/prefill.py covers a prompt with the cheapest calls); a tuple once parsed, largest first.
+    # `prefill_chunks`: those the engine gets (none past --max-len); its smallest is the chunk the
+    # drafters' graphs take.
+    prefill_chunk: int | str | tuple[int, ...] = (128, 32)
     dump_ir: str | Path | None = None
     progress: bool = True
     # A family of step graphs (the tree's node-count prefixes, down to plain), timed at compile time;
@@ -60,6 +64,7 @@ class CompileConfig:
     quant: str = "none"
     # Derived in __post_init__: the parsed tree (a stand-in chain for a measured spec) and the dtype.
     tree_spec: str = field(init=False)
+    prefill_chunks: tuple[int, ...] = field(init=False)
     parsed_tree: Tree = field(init=False, repr=False, compare=False)
     torch_dtype: torch.dtype = field(init=False, repr=False)
 
@@ -91,8 +96,9 @@ class CompileConfig:
                              f"with --drafter {kinds_with('SAMPLED_CHILDREN')}.")
         if not 2 <= self.max_len <= 1 << 20:
             raise SpeccError(f"--max-len {self.max_len} is out of range; use a length from 2 to 1048576.")
-        if not 1 <= self.prefill_chunk <= 4096:
-            raise SpeccError(f"--prefill-chunk {self.prefill_chunk} is out of range; use 1 to 4096.")
+        set_("prefill_chunk", parse_chunks(self.prefill_chunk))  # a tuple, so that `replace` keeps them all
+        # a chunk longer than the longest context would only pad; the smallest stays whatever its size
+        set_("prefill_chunks", tuple(c for c in self.prefill_chunk if c <= self.max_len) or self.prefill_chunk[-1:])
         for name, flag in DRAFTER_OPTIONS.items():
             if getattr(self, name) is not None and name not in kind.OPTIONS:
                 raise SpeccError(f"{flag} only applies to --drafter {kinds_with('OPTIONS', name)}.")
@@ -178,3 +184,15 @@ def parse_modes(modes) -> tuple[str, ...]:
         raise SpeccError(f"--modes {','.join(names)!r} is not a list of sampling modes; use one or more of "
                          f"{','.join(MODES)} (greedy: temperature 0; sample: temperature > 0; top_p: with top-p < 1).")
     return tuple(m for m in MODES if m in names)
+
+
+def parse_chunks(value) -> tuple[int, ...]:
+    """--prefill-chunk's sizes, largest first: an int, "128,32", or a sequence of ints."""
+    items = value.split(",") if isinstance(value, str) else value if isinstance(value, (tuple, list)) else [value]
+    try:
+        chunks = sorted({int(str(c).strip()) for c in items}, reverse=True)
+    except ValueError:
+        chunks = []
+    if not chunks or not all(1 <= c <= 4096 for c in chunks):
+        raise SpeccError(f"--prefill-chunk {value!r} is not a list of chunk sizes from 1 to 4096 (e.g. 128,32).")
+    return tuple(chunks)

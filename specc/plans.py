@@ -1,6 +1,7 @@
 """Graph plans: which graphs an engine holds, and the passes that make each one.
 
-Every engine holds `prefill` (a static chunk of prompt tokens -> the next token) and `plain` (the
+Every engine holds `prefill` (a static chunk of prompt tokens -> the next token; `prefill128` and the
+like for larger chunks, --prefill-chunk 128,32) and `plain` (the
 one-node tree: ordinary decoding, also the baseline); an engine whose tree has drafts holds
 `step` (the tree verified in one call). A drafter kind adds its own graphs (specc/drafters/).
 Graphs that sample exist once per sampling mode the engine carries (`plain_greedy`,
@@ -26,6 +27,7 @@ from specc.passes.tree_inputs import tree_inputs
 
 from .adaptive import family_sizes, fused_name, prefix, step_name
 from .pipeline import Pipeline, capture
+from .prefill import prefill_name
 from .signature import MODES, SampledChildren, graph_name, uniform_columns
 from .tree import Tree, chain
 
@@ -79,12 +81,17 @@ def decode_plans(name: str, module: str, tree: Tree, cache_len: int, backend: st
 
 
 def graph_plans(kind, tree: Tree, chunk: int, cache_len: int, backend: str = "eager",
-                sampled: SampledChildren | None = None, modes=MODES, adaptive: bool = False) -> list[GraphPlan]:
+                sampled: SampledChildren | None = None, modes=MODES, adaptive: bool = False,
+                larger_chunks=()) -> list[GraphPlan]:
     """The engine's graphs for drafter `kind` (a module of specc.drafters), `tree` and sampling `modes`;
     `adaptive` adds a step graph for each of the tree's node-count prefixes (specc/adaptive.py), and
-    where the kind fuses its step, a fused step for each (it drafts the whole next tree)."""
+    where the kind fuses its step, a fused step for each (it drafts the whole next tree).
+    `larger_chunks`: prefill chunk sizes beyond `chunk`, each a chunk graph of its own (the drafters'
+    graphs keep `chunk`)."""
     table = uniform_table(cache_len, tree, sampled)  # every graph of a generation reads the one table
-    plans = (prefill_plans("prefill", "target", chunk, cache_len, backend, modes, table)
+    plans = [p for c in sorted(larger_chunks, reverse=True)
+             for p in prefill_plans(prefill_name(c, chunk), "target", c, cache_len, backend, modes, table)]
+    plans += (prefill_plans("prefill", "target", chunk, cache_len, backend, modes, table)
              + decode_plans("plain", "target", chain(0), cache_len, backend, modes, table=table))
     if adaptive:
         for k in family_sizes(tree)[1:-1]:

@@ -1,14 +1,28 @@
-"""Prefill on the host side: a prompt goes through an engine's static-chunk graph (and its one-token
-graph for a short tail), filling the KV cache; the runtime and the draft-model drafter share it."""
+"""Prefill on the host side: a prompt goes through an engine's static-chunk graphs (and its one-token
+graph for a short tail), filling the KV cache; the runtime and the draft-model drafter share it.
+
+An engine may hold chunk graphs of several sizes (`--prefill-chunk 128,32`): a larger chunk
+costs less per token (its products are bigger GEMMs and it reads the weights once for more rows),
+but only the last call of a prompt may be padded. `prefill_plan` covers the prompt with the calls of
+least total cost, from each graph's latency measured at compile time (the manifest's `prefill_ms`).
+"""
 from __future__ import annotations
 
 import torch
 
 from .signature import sampling_inputs
 
-# A prompt tail this short goes through the one-token graph token by token: on the 2-core CPU a
-# 32-token chunk call costs about 110 ms and a one-token call about 31 ms (SmolLM2, fp32).
-PLAIN_TAIL = 3
+# Milliseconds of a call where an engine measured none (engines before `prefill_ms`, TensorRT ones):
+# a 32-token chunk call cost about 110 ms and a one-token call about 31 ms on the 2-core CPU (SmolLM2,
+# fp32), so a tail of up to 3 tokens goes through the one-token graph, as prefill always did.
+ONE_TOKEN_MS = 31.0
+CHUNK_MS_PER_TOKEN = 110.0 / 32
+
+
+def prefill_name(chunk: int, smallest: int) -> str:
+    """An engine's chunk graph of `chunk` tokens: `prefill` for the smallest size (the one every engine
+    has), `prefill128` for a larger one."""
+    return "prefill" if chunk == smallest else f"prefill{chunk}"
 
 
 def tap_rows(taps, rows) -> torch.Tensor:
@@ -16,32 +30,62 @@ def tap_rows(taps, rows) -> torch.Tensor:
     return torch.cat([t[0].index_select(0, rows) for t in taps], dim=-1)
 
 
-def prefill(ids: list[int], chunk_graph, one_graph, chunk: int, mode: str, temperature=None, top_p=None,
-            table=None, on_rows=None, device="cpu") -> int:
-    """Fill the cache with `ids` (static chunks, a short tail one token at a time) and return the
-    token that follows them, drawn by the same rule as a decode step of `mode` (the graphs are that
-    mode's) with the draws of row len(ids) - 1 of the generation's uniforms `table` (in a sampling
-    mode). `on_rows(rows, start)` receives the taps of the prompt's rows (when the graphs have taps).
-    The graphs' inputs are made on `device`."""
-    L = len(ids)
+def estimated_costs(chunks) -> dict[int, float]:
+    """Per call size (1: the one-token graph), the cost prefill_plan weighs where none was measured."""
+    return {1: ONE_TOKEN_MS, **{c: CHUNK_MS_PER_TOKEN * c for c in chunks if c > 1}}
+
+
+def prefill_plan(length: int, costs: dict[int, float], capacity: int | None = None) -> list[tuple[int, int]]:
+    """The calls that prefill `length` tokens at the least total cost: [(start, size)] in order,
+    `size` a key of `costs` (1 is the one-token graph, which is always there). Every call but the last
+    is full; the last may be a chunk padded past the prompt's end, though never past `capacity` (the
+    cache's slots). Ties go to fewer calls."""
+    # best[j]: (cost, calls, where the last call started, its size) of the cheapest way to fill j tokens
+    best: list[tuple[float, int, int, int] | None] = [None] * (length + 1)
+    best[0] = (0.0, 0, 0, 0)
+    for i in range(length):
+        if best[i] is None:
+            continue
+        for size, cost in costs.items():
+            if capacity is not None and i + size > capacity:
+                continue
+            j = min(length, i + size)  # past the end: the prompt's last call, padded
+            cand = (best[i][0] + cost, best[i][1] + 1, i, size)
+            # ties: fewer calls, then the later last call (whole chunks first, a short tail after)
+            if best[j] is None or (cand[0], cand[1], -i) < (best[j][0], best[j][1], -best[j][2]):
+                best[j] = cand
+    plan, j = [], length
+    while j > 0:
+        _, _, i, size = best[j]
+        plan.append((i, size))
+        j = i
+    return plan[::-1]
+
+
+def prefill(ids: list[int], chunk_graphs: dict, one_graph, mode: str, temperature=None, top_p=None,
+            table=None, on_rows=None, device="cpu", costs: dict[int, float] | None = None,
+            capacity: int | None = None) -> int:
+    """Fill the cache with `ids` and return the token that follows them, drawn by the same rule as a
+    decode step of `mode` (the graphs are that mode's) with the draws of row len(ids) - 1 of the
+    generation's uniforms `table` (in a sampling mode). `chunk_graphs`: the chunk graphs by their
+    size; `costs`: each call size's milliseconds (1: `one_graph`), estimated where not given;
+    `capacity`: the cache's slots, which no padded chunk may write past.
+    `on_rows(rows, start)` receives the taps of the prompt's rows (when the graphs have taps). The
+    graphs' inputs are made on `device`."""
     dev = lambda v, **kw: torch.tensor(v, device=device, **kw)  # noqa: E731
-
-    def sampling() -> tuple:
-        return sampling_inputs(mode, temperature, top_p, table)
-
-    tail = L % chunk
-    chunked = L - tail if 0 < tail <= PLAIN_TAIL else L
+    costs = {size: ms for size, ms in (costs or estimated_costs(chunk_graphs)).items()
+             if size == 1 or size in chunk_graphs}
+    sampling = sampling_inputs(mode, temperature, top_p, table)
     first = None
-    for start in range(0, chunked, chunk):
-        piece = ids[start:start + chunk]
-        toks = dev(piece + [0] * (chunk - len(piece)), dtype=torch.int64)
-        res = chunk_graph(toks, dev(start), dev(len(piece)), *sampling())
-        first = res[0]
+    for start, size in prefill_plan(len(ids), costs, capacity):
+        piece = ids[start:start + size]
+        if size == 1:
+            res = one_graph(dev(piece), dev(start), *sampling)
+            first, taps = res[2][0], res[3:]  # the root of the next call
+        else:
+            toks = dev(piece + [0] * (size - len(piece)), dtype=torch.int64)
+            res = chunk_graphs[size](toks, dev(start), dev(len(piece)), *sampling)
+            first, taps = res[0], res[1:]
         if on_rows is not None:
-            on_rows(tap_rows(res[1:], torch.arange(len(piece), device=device)), start)
-    for pos in range(chunked, L):
-        res = one_graph(dev([ids[pos]]), dev(pos), *sampling())
-        first = res[2][0]  # the root of the next call
-        if on_rows is not None:
-            on_rows(tap_rows(res[3:], torch.arange(1, device=device)), pos)
+            on_rows(tap_rows(taps, torch.arange(len(piece), device=device)), start)
     return int(first)

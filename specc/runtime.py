@@ -22,7 +22,7 @@ import torch
 from .adaptive import StepClock, choose, fused_name, next_rest_run, step_name
 from .errors import SpeccError
 from .hybrid import NgramBranch
-from .prefill import prefill, tap_rows
+from .prefill import prefill, prefill_name, tap_rows
 from .signature import (MODES, SampledChildren, StepSignature, graph_name, graphs_for_mode, mode_of, split_report,
                         uniform_columns)
 
@@ -118,6 +118,9 @@ class Engine:
         self._captured: dict[str, object] = {}
         self.max_len = manifest["max_len"]
         self.chunk = manifest["prefill_chunk"]
+        # the prefill chunk graphs' sizes (engines before several sizes: the one) and their measured costs
+        self.chunks = manifest.get("prefill_chunks", [self.chunk])
+        self.prefill_ms = {int(k): v for k, v in manifest["prefill_ms"].items()} if "prefill_ms" in manifest else None
         self.eos = set(manifest["target"].get("eos_token_ids") or [])
         # One graph per step where the engine has a fused step; False runs the unfused path (its reference).
         self.use_fused = True
@@ -207,8 +210,9 @@ class Engine:
         if drafter is not None:
             drafter.start(ids, mode, run.temperature, run.top_p, table)
             on_rows = drafter.add_rows if drafter.needs_rows else None
-        first = prefill(ids, run.graphs["prefill"], run.graphs["plain"], self.chunk, mode, run.temperature, run.top_p,
-                        table, on_rows, self.device)
+        chunk_graphs = {c: run.graphs[prefill_name(c, self.chunk)] for c in self.chunks}
+        first = prefill(ids, chunk_graphs, run.graphs["plain"], mode, run.temperature, run.top_p, table, on_rows,
+                        self.device, self.prefill_ms, self.manifest["cache_len"])
         run.base_dev = dev(L)
         stats.prefill_s, stats.prompt_tokens = time.perf_counter() - t0, L
         run.committed.append(first)

@@ -372,7 +372,9 @@ def test_compile_output_and_manifest(result, jobs):
     assert m["drafter"]["kind"] == "ngram"
     assert m["tree"]["spec"] == "chain:3"
     assert m["modes"] == ["greedy", "sample", "top_p"]  # the default: every mode
-    assert set(m["graphs"]) == {f"{g}_{mode}" for g in ("prefill", "plain", "step") for mode in m["modes"]}
+    # the default prefill chunks, 128 and 32: a chunk graph each, timed at compile with the one-token graph
+    assert set(m["graphs"]) == {f"{g}_{mode}" for g in ("prefill128", "prefill", "plain", "step") for mode in m["modes"]}
+    assert (m["prefill_chunk"], m["prefill_chunks"], sorted(m["prefill_ms"])) == (32, [128, 32], ["1", "128", "32"])
     assert all(m["graphs"][f"step_{mode}"]["tokens"] == 4 for mode in m["modes"])
     on_disk = {str(p.relative_to(engine)) for p in engine.rglob("*") if p.is_file()}
     assert on_disk == set(m["files"]) | {"specc.json"}

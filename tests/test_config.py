@@ -24,6 +24,7 @@ BAD = {  # field values -> words the one-sentence message must contain
     "children-ngram": (dict(drafter="ngram", children="sampled"), ["--children sampled", "mtp or dflash"]),
     "max-len": (dict(max_len=1), ["--max-len 1"]),
     "prefill-chunk": (dict(prefill_chunk=0), ["--prefill-chunk 0"]),
+    "prefill-chunks": (dict(prefill_chunk="128,x"), ["--prefill-chunk '128,x'", "e.g. 128,32"]),
     "drafter-path": (dict(drafter="ngram", drafter_path="x"), ["--drafter-path only applies", "draft-model"]),
     "drafter-layers": (dict(drafter="mtp", drafter_layers=2, drafter_path="x"), ["--drafter-layers", "draft-model"]),
     "block-size": (dict(drafter="mtp", block_size=3, drafter_path="x"), ["--block-size only applies", "dflash"]),
@@ -56,6 +57,13 @@ def test_frozen_and_replace_validates(tmp_path):
     assert other.parsed_tree.size == 7 and cfg.parsed_tree.size == 5
     with pytest.raises(SpeccError, match="--max-len 0"):
         dataclasses.replace(cfg, max_len=0)
+    # prefill chunks: largest first, those past --max-len left out, all kept through replace
+    assert (cfg.prefill_chunk, cfg.prefill_chunks) == ((128, 32), (128, 32))
+    short = dataclasses.replace(cfg, max_len=100, prefill_chunk="32, 8,32")
+    assert (short.prefill_chunk, short.prefill_chunks) == ((32, 8), (32, 8))
+    assert dataclasses.replace(short, max_len=16).prefill_chunks == (8,)
+    assert dataclasses.replace(short, max_len=4).prefill_chunks == (8,)  # the smallest stays
+    assert dataclasses.replace(dataclasses.replace(cfg, max_len=64), tree="chain:2").prefill_chunk == (128, 32)
 
 
 def test_refuses_to_overwrite_other_content(tmp_path):

@@ -148,6 +148,73 @@ def test_prefill_every_tail_length(llama_dir, tmp_path):
         assert engine.generate(ids, max_new_tokens=6, stop_at_eos=False).token_ids == hf_greedy(model, ids, 6)
 
 
+def test_prefill_chunks_of_several_sizes(llama_dir, tmp_path, capsys):
+    """--prefill-chunk 8,4: a chunk graph per size, each timed at compile with the one-token graph
+    (manifest prefill_ms; `specc inspect` shows them), a size past --max-len dropped; prompts of every
+    length up to three large chunks give HF's tokens whatever mix of calls covers them, and the calls
+    are the plan's (largest chunks first, a padded chunk only last)."""
+    from specc.cli import main as cli_main
+    from specc.prefill import prefill_plan
+
+    root, model = llama_dir
+    path = specc.compile(root / "llama", drafter="ngram", tree="chain:2", output_dir=tmp_path / "e", max_len=48,
+                         prefill_chunk="64,8,4", progress=False, modes="greedy")
+    m = json.loads((path / "specc.json").read_text())
+    assert (m["prefill_chunk"], m["prefill_chunks"], m["cache_len"]) == (4, [8, 4], 48 + 4)
+    assert {"prefill_greedy", "prefill8_greedy"} <= set(m["graphs"]) and "prefill64_greedy" not in m["graphs"]
+    assert sorted(m["prefill_ms"]) == ["1", "4", "8"] and all(v > 0 for v in m["prefill_ms"].values())
+    assert cli_main(["inspect", str(path)]) == 0
+    assert "prefill chunks 8, 4 (ms a call: 1 token" in capsys.readouterr().out
+    engine = specc.load(path)
+    costs = {int(k): v for k, v in m["prefill_ms"].items()}
+    sizes = []
+    for name in ("prefill_greedy", "prefill8_greedy", "plain_greedy"):
+        graph = engine.graphs[name]
+        engine.graphs[name] = lambda *a, graph=graph, name=name: sizes.append((name, int(a[0].numel()))) or graph(*a)
+    for n in list(range(1, 25)) + [45, 47]:  # near --max-len: no padded 8-chunk past the cache's 52 slots
+        ids = (PROMPT * 4)[:n]
+        sizes.clear()
+        new = min(4, 48 - n)  # up to --max-len
+        assert engine.generate(ids, max_new_tokens=new, speculate=False, stop_at_eos=False).token_ids == \
+            hf_greedy(model, ids, new), n
+        plan = prefill_plan(n, costs, m["cache_len"])
+        assert [size for _, size in sizes[: len(plan)]] == [size for _, size in plan], n
+        assert all(start + size <= m["cache_len"] for start, size in plan)
+
+
+def test_prefill_plan_is_the_cheapest_cover():
+    """prefill_plan against brute force over every sequence of calls: the least total cost, full
+    calls before a padded last one, contiguous from token 0 to the prompt's end."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from specc.prefill import prefill_plan
+
+    def cheapest(n, costs):
+        best = {0: 0.0}
+        for i in range(n):
+            for size, cost in costs.items():
+                j = min(n, i + size)
+                best[j] = min(best.get(j, float("inf")), best[i] + cost) if i in best else best.get(j, float("inf"))
+        return best[n]
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.integers(1, 70), st.lists(st.integers(2, 40), min_size=0, max_size=3, unique=True),
+           st.lists(st.floats(0.5, 100.0), min_size=4, max_size=4))
+    def check(n, chunks, ms):
+        costs = {1: ms[0], **{c: ms[i + 1] for i, c in enumerate(chunks)}}
+        assert prefill_plan(n, costs, n) == prefill_plan(n, {s: c for s, c in costs.items() if s == 1 or s <= n}, n)
+        plan = prefill_plan(n, costs)
+        assert plan[0][0] == 0 and all(s1 + z1 == s2 for (s1, z1), (s2, _) in zip(plan, plan[1:]))
+        assert plan[-1][0] + plan[-1][1] >= n and all(s + z <= n for s, z in plan[:-1])
+        assert sum(costs[z] for _, z in plan) == pytest.approx(cheapest(n, costs))
+
+    check()
+    assert prefill_plan(35, {1: 31.0, 32: 110.0}) == [(0, 32), (32, 1), (33, 1), (34, 1)]  # the old rule
+    assert prefill_plan(36, {1: 31.0, 32: 110.0}) == [(0, 32), (32, 32)]
+    assert prefill_plan(145, {1: 16.0, 32: 97.0, 128: 258.0}) == [(0, 128), (128, 32)]
+
+
 def test_compile_cache_key_sees_the_tree(llama_dir):
     """Two trees of the same size must never share a cached package; the same tree must."""
     from specc.backends import cache_key, lift

@@ -105,8 +105,20 @@ def test_greedy_identical_to_hf(reference, tmp_path, monkeypatch):
     monkeypatch.setattr(products, "MIN_TIMED_BYTES", float("inf"))
     path = specc.compile(None, drafter="ngram", tree="topk:2,2", backend="inductor", output_dir=tmp_path / "engine",
                          max_len=512, progress=False, modes="greedy")
-    assert json.loads((path / "specc.json").read_text())["drafter"]["corpus"]["source"] == "sharegpt"
+    m = json.loads((path / "specc.json").read_text())
+    assert m["drafter"]["corpus"]["source"] == "sharegpt"
     check_engine(path, reference(), True, (0, 2, 4), (2,))
+    # The default prefill chunks (128 and 32): a prompt of 120 tokens (the first prompt and the first 110
+    # tokens of HF's greedy continuation, so HF's next tokens are the rest of it) goes through the
+    # 128-token chunk graph, padded, where the timed costs make it cheaper than four 32-token calls.
+    from specc.prefill import prefill_plan
+
+    assert m["prefill_chunks"] == [128, 32] and sorted(m["prefill_ms"]) == ["1", "128", "32"]
+    ids, out = reference()[0]
+    long = ids + out[:110]
+    costs = {int(k): v for k, v in m["prefill_ms"].items()}
+    assert (0, 128) in prefill_plan(len(long), costs, m["cache_len"]), costs
+    assert specc.load(path).generate(long, max_new_tokens=16).token_ids == out[110:126]
 
 
 @pytest.mark.parametrize("drafter,prompt", [("dflash", 2), ("mtp", 0), ("dspark", 1)])
@@ -119,7 +131,7 @@ def test_shipped_drafters_greedy_identical_to_hf(reference, tmp_path, drafter, p
     # DSpark's default tree is measured at compile time (minutes of calibration): a fixed chain here.
     tree = {"dspark": "chain:4"}.get(drafter)
     path = specc.compile(None, drafter=drafter, tree=tree, backend="eager", output_dir=tmp_path / "engine",
-                         max_len=512, progress=False, modes="greedy")
+                         max_len=512, prefill_chunk=32, progress=False, modes="greedy")
     # One prompt each, code or the chat template, 64 tokens: the eager drafter graphs are slow (suite
     # time; examples/bench_drafters.py compares 128 tokens of ten prompts with plain decoding).
     check_engine(path, reference(), speculative=True, prompts=(prompt,), new=64)
@@ -135,7 +147,7 @@ def test_onnx_greedy_identical_to_hf(reference, tmp_path):
     pytest.importorskip("onnxruntime")
     from specc.trt_lint import lint_engine
 
-    path = specc.compile(None, backend="onnx", output_dir=tmp_path / "engine", max_len=512, progress=False,
+    path = specc.compile(None, backend="onnx", output_dir=tmp_path / "engine", max_len=512, prefill_chunk=32, progress=False,
                          modes="greedy")
     manifest = json.loads((path / "specc.json").read_text())
     assert [str(f) for f in lint_engine(path, manifest) if f.severity == "error"] == []
@@ -162,7 +174,7 @@ def test_gguf_engine_keeps_the_files_blocks(reference, tmp_path):
     from specc.quant import GGUF_FILE, load_blocks
 
     path = specc.compile(None, backend="eager", quant="gguf", output_dir=tmp_path / "engine", max_len=512,
-                         progress=False, modes="greedy")
+                         prefill_chunk=32, progress=False, modes="greedy")
     m = json.loads((path / "specc.json").read_text())
     blocks = load_blocks(path / "target" / GGUF_FILE).blocks
     assert {fmt for name, (fmt, *_) in blocks.items() if name != "w_head"} == {"Q4_1"} and blocks["w_head"][0] == "Q8_0"

@@ -92,7 +92,7 @@ class DraftModelDrafter:
         self.device = device
 
     def start(self, prompt_ids: list[int], mode: str, temperature, top_p, table=None) -> None:
-        prefill(prompt_ids, self.prefill_graph, self.step_graph, self.chunk, "greedy", device=self.device)
+        prefill(prompt_ids, {self.chunk: self.prefill_graph}, self.step_graph, "greedy", device=self.device)
         self.cached = len(prompt_ids)  # tokens whose K/V the drafter holds
 
     def _next(self, token: int, pos: int) -> int:

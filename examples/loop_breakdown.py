@@ -1,0 +1,169 @@
+"""Where a generation's time goes: plain decoding against an engine's speculative decoding, in the loop.
+
+    python examples/loop_breakdown.py ENGINE [--datasets humaneval,mt-bench] [--limit 10]
+                                      [--max-new-tokens 128] [--rounds 2] [--json]
+
+Each prompt runs plain (the engine's plain graph) and speculative decoding back to back, --rounds
+times, the order rotated every round. Every graph call and every call of the drafter's host methods
+is timed where it happens, so the split is the loop's own, not a replay: prefill (the chunk graph and
+its one-token tail: every graph call inside prefill), each decode graph (calls, median milliseconds per
+call), the drafter's host work,
+and the rest of the runtime (acceptance bookkeeping, commits, Python). Reported per method: the whole
+generate() time summed over prompts and rounds, each part's share of it, and the in-loop cost of each
+decode graph against the plain graph's median call in plain decoding (c). "speedup" divides the plain
+wall time by the speculative one; "decode only" leaves prefill out of both.
+EOS does not stop generation (both methods produce the same number of tokens).
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import specc
+import specc.runtime
+from specc.data import load_prompts
+from specc.errors import SpeccError
+from specc.models import quiet_libraries
+
+DRAFTER_METHODS = ("start", "propose", "confidences", "accepted", "add_rows")
+
+
+def timed(fn, log: list):
+    def call(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        log.append(time.perf_counter() - t0)
+        return out
+    return call
+
+
+def instrument(engine) -> dict:
+    """Wrap the engine's graphs and its drafter's host methods with timers, and the runtime's prefill
+    (whose one-token tail runs the plain graph: those calls count as prefill); the logs by name."""
+    logs = defaultdict(list)
+    in_prefill = [False]
+
+    def graph_timer(name, fn):
+        def call(*args):
+            t0 = time.perf_counter()
+            out = fn(*args)
+            logs["graph:prefill" if in_prefill[0] else f"graph:{name}"].append(time.perf_counter() - t0)
+            return out
+        return call
+
+    def prefill(*args, **kwargs):
+        in_prefill[0] = True
+        try:
+            return run_prefill(*args, **kwargs)
+        finally:
+            in_prefill[0] = False
+
+    run_prefill, specc.runtime.prefill = specc.runtime.prefill, prefill
+    engine.graphs = {name: graph_timer(name, fn) for name, fn in engine.graphs.items()}
+    if engine.drafter is not None:
+        for name in DRAFTER_METHODS:
+            if hasattr(engine.drafter, name):
+                setattr(engine.drafter, name, timed(getattr(engine.drafter, name), logs["drafter"]))
+    return logs
+
+
+def measure(engine, logs, prompts, new_tokens: int, rounds: int) -> dict:
+    """Per method: wall seconds, seconds per part, calls and per-call times of each graph, tokens, steps."""
+    out = {m: {"wall": 0.0, "parts": defaultdict(float), "calls": defaultdict(list), "tokens": 0, "steps": 0}
+           for m in ("plain", "speculative")}
+    for r in range(rounds):
+        for i, ids in enumerate(prompts):
+            order = ["plain", "speculative"] if (r + i) % 2 == 0 else ["speculative", "plain"]
+            for method in order:
+                for log in logs.values():
+                    log.clear()
+                t0 = time.perf_counter()
+                res = engine.generate(ids, max_new_tokens=new_tokens, speculate=method == "speculative",
+                                      stop_at_eos=False)
+                wall = time.perf_counter() - t0
+                m = out[method]
+                m["wall"] += wall
+                m["tokens"] += len(res.token_ids)
+                m["steps"] += res.stats.steps
+                spent = 0.0
+                for name, log in list(logs.items()):
+                    part = "prefill" if name == "graph:prefill" else name
+                    m["parts"][part] += sum(log)
+                    spent += sum(log)
+                    if name.startswith("graph:") and name != "graph:prefill" and log:
+                        m["calls"][name[len("graph:"):]].extend(log)
+                m["parts"]["runtime (rest)"] += wall - spent
+    return out
+
+
+def report(dataset: str, out: dict, n_prompts: int) -> dict:
+    plain_call = statistics.median(out["plain"]["calls"].get("plain_greedy") or [float("nan")])
+    rows = {}
+    for method, m in out.items():
+        graphs = {name: {"calls": len(ts), "ms": round(statistics.median(ts) * 1000, 2),
+                         "c": round(statistics.median(ts) / plain_call, 2)}
+                  for name, ts in sorted(m["calls"].items(), key=lambda kv: -len(kv[1]))}
+        rows[method] = {"wall_s": round(m["wall"], 3), "tokens": m["tokens"], "steps": m["steps"],
+                        "tau": round(m["tokens"] / max(m["steps"], 1), 3),
+                        "parts_s": {k: round(v, 3) for k, v in m["parts"].items()}, "graphs": graphs}
+    p, s = out["plain"], out["speculative"]
+    speedup = p["wall"] / s["wall"]
+    decode_only = (p["wall"] - p["parts"]["prefill"]) / (s["wall"] - s["parts"]["prefill"])
+    print(f"\n## {dataset} ({n_prompts} prompts)\n")
+    print(f"speedup {speedup:.2f}x (decode only {decode_only:.2f}x); plain graph in plain decoding: "
+          f"{plain_call * 1000:.2f} ms a call\n")
+    print("| method | wall s | tau | " + " | ".join(["prefill", "graphs (decode)", "drafter (host)", "runtime (rest)"])
+          + " |\n|---|---|---|---|---|---|---|")
+    for method, row in rows.items():
+        parts = row["parts_s"]
+        decode = sum(v for k, v in parts.items() if k.startswith("graph:"))
+        cells = [parts.get("prefill", 0.0), decode, parts.get("drafter", 0.0), parts.get("runtime (rest)", 0.0)]
+        print(f"| {method} | {row['wall_s']:.2f} | {row['tau']:.2f} | "
+              + " | ".join(f"{v:.2f} ({v / row['wall_s']:.0%})" for v in cells) + " |")
+    print("\n| method | graph | calls | ms a call (median) | c (against plain decoding's plain call) |\n|---|---|---|---|---|")
+    for method, row in rows.items():
+        for name, g in row["graphs"].items():
+            print(f"| {method} | {name} | {g['calls']} | {g['ms']:.2f} | {g['c']:.2f} |")
+    return {"dataset": dataset, "prompts": n_prompts, "speedup": round(speedup, 4),
+            "decode_only_speedup": round(decode_only, 4), "methods": rows}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("engine")
+    ap.add_argument("--datasets", default="humaneval,mt-bench")
+    ap.add_argument("--limit", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    if a.limit < 1 or a.rounds < 1 or a.max_new_tokens < 1:
+        print("error: --limit, --rounds and --max-new-tokens must be at least 1.", file=sys.stderr)
+        return 2
+    quiet_libraries()
+    try:
+        engine = specc.load(a.engine)
+        if not engine.speculates:
+            raise SpeccError(f"{a.engine} does not speculate (compiled without a drafter): nothing to compare.")
+        if "greedy" not in engine.modes:
+            raise SpeccError(f"{a.engine} has no greedy graphs (compile it with --modes greedy).")
+        sets = {d: load_prompts(d, a.limit) for d in a.datasets.split(",")}
+    except SpeccError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logs = instrument(engine)
+    results = []
+    for dataset, texts in sets.items():
+        prompts = [engine.encode(t, chat=True) for t in texts]
+        for speculate in (False, True):  # warm-up, not counted
+            engine.generate(prompts[0], max_new_tokens=8, speculate=speculate)
+        results.append(report(dataset, measure(engine, logs, prompts, a.max_new_tokens, a.rounds), len(prompts)))
+    if a.json:
+        print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
