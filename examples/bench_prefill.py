@@ -42,6 +42,8 @@ def main() -> int:
     quiet_libraries()
     try:
         engine = specc.load(a.engine)
+        if "greedy" not in engine.modes:
+            raise SpeccError(f"{a.engine} has no greedy graphs (compile it with --modes greedy).")
         if len(engine.chunks) < 2 or engine.prefill_ms is None:
             raise SpeccError(f"{a.engine} has one prefill chunk size ({engine.chunk}); compile it with "
                              f"--prefill-chunk 128,32 (the default) to compare.")
@@ -49,7 +51,7 @@ def main() -> int:
     except SpeccError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    mode = "greedy" if "greedy" in engine.modes else engine.modes[0]
+    mode = "greedy"
     graphs = graphs_for_mode(engine.graphs, mode)
     chunk_graphs = {c: graphs[prefill_name(c, engine.chunk)] for c in engine.chunks}
     cache_len = engine.manifest["cache_len"]
@@ -91,7 +93,7 @@ def main() -> int:
              f"as timed at compile: {costs}. Chat template on; {a.rounds} rounds after a warm-up round, the two ways "
              f"back to back per prompt, order alternating; figure = median over prompts of each prompt's median; "
              f"the first token is the same both ways on every prompt.")
-    run = benchfile.new_run("Prefill chunks", [], benchfile.command_line(), prefill=rows)
+    run = benchfile.new_run("Prefill chunks", [], benchfile.command_line(), device=str(engine.device), prefill=rows)
     return benchfile.finish(a, run, setup, "\n".join(lines))
 
 

@@ -167,7 +167,8 @@ def measure_prefill(stage: Path, progress: bool) -> None:
     ms = adaptive.time_calls([(fn, tuple(args)) for fn, args in calls], engine.device)
     m["prefill_ms"] = {str(size): t for size, t in zip([1] + list(engine.chunks), ms)}
     if progress:
-        print("prefill: " + ", ".join(f"{k} tokens {v:.1f} ms" for k, v in m["prefill_ms"].items()) + " a call")
+        print("prefill: " + ", ".join(f"{k} {'token' if k == '1' else 'tokens'} {v:.1f} ms"
+                                      for k, v in m["prefill_ms"].items()) + " a call")
     (stage / MANIFEST).write_text(json.dumps(m, indent=1, default=str))
 
 
@@ -233,10 +234,12 @@ def measure_tree(cfg: CompileConfig, depth_limit: int):
     """A tree built from acceptance measured at compile time (`--tree sequoia:BUDGET | auto`): the tree,
     its report, and for auto the engine directory of the winning candidate."""
     def build(tree_file: str, backend: str | None, engine_dir: Path):
-        # The calibration engine (backend "eager") only decodes greedily; auto's candidates may become the engine.
+        # The calibration engine (backend "eager") only decodes greedily, its prompts through the one
+        # prefill chunk its drafter needs; auto's candidates may become the engine.
+        calibration = {} if backend is None else {"modes": ("greedy",), "prefill_chunk": cfg.prefill_chunks[-1]}
         compile(config=replace(cfg, tree=tree_file, backend=backend or cfg.backend, output_dir=engine_dir,
-                               dump_ir=None, progress=False, modes=cfg.modes if backend is None else ("greedy",),
-                               adaptive=False, ngram_branch=0))
+                               dump_ir=None, progress=False, adaptive=False, ngram_branch=0,
+                               **{"modes": cfg.modes, **calibration}))
         return load(engine_dir)
 
     out = Path(cfg.output_dir)

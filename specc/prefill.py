@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import torch
 
+from .errors import SpeccError
 from .signature import sampling_inputs
 
-# Milliseconds of a call where an engine measured none (engines before `prefill_ms`, TensorRT ones):
-# a 32-token chunk call cost about 110 ms and a one-token call about 31 ms on the 2-core CPU (SmolLM2,
-# fp32), so a tail of up to 3 tokens goes through the one-token graph, as prefill always did.
-ONE_TOKEN_MS = 31.0
-CHUNK_MS_PER_TOKEN = 110.0 / 32
+# Where an engine measured no costs (one chunk size, engines from before `prefill_ms`, TensorRT's):
+# the smallest chunk costs 3.5 one-token calls, so a tail of up to 3 tokens goes through the one-token
+# graph, as prefill always did (on the 2-core CPU a 32-token chunk call cost about 110 ms and a
+# one-token call about 31, SmolLM2 fp32); a larger chunk costs a little less than the smallest chunks
+# it replaces, so whole large chunks come first but none is padded where small ones would do.
+SMALLEST_CHUNK_CALLS = 3.5
+LARGER_CHUNK_SAVING = 0.99
 
 
 def prefill_name(chunk: int, smallest: int) -> str:
@@ -31,8 +34,14 @@ def tap_rows(taps, rows) -> torch.Tensor:
 
 
 def estimated_costs(chunks) -> dict[int, float]:
-    """Per call size (1: the one-token graph), the cost prefill_plan weighs where none was measured."""
-    return {1: ONE_TOKEN_MS, **{c: CHUNK_MS_PER_TOKEN * c for c in chunks if c > 1}}
+    """Per call size (1: the one-token graph), in one-token calls, the cost prefill_plan weighs where
+    none was measured."""
+    sizes = sorted(c for c in chunks if c > 1)
+    if not sizes:
+        return {1: 1.0}
+    small = sizes[0]
+    return {1: 1.0, small: SMALLEST_CHUNK_CALLS,
+            **{c: SMALLEST_CHUNK_CALLS * c / small * LARGER_CHUNK_SAVING for c in sizes[1:]}}
 
 
 def prefill_plan(length: int, costs: dict[int, float], capacity: int | None = None) -> list[tuple[int, int]]:
@@ -72,6 +81,8 @@ def prefill(ids: list[int], chunk_graphs: dict, one_graph, mode: str, temperatur
     `capacity`: the cache's slots, which no padded chunk may write past.
     `on_rows(rows, start)` receives the taps of the prompt's rows (when the graphs have taps). The
     graphs' inputs are made on `device`."""
+    if not ids:
+        raise SpeccError("the prompt is empty; give at least one token.")
     dev = lambda v, **kw: torch.tensor(v, device=device, **kw)  # noqa: E731
     costs = {size: ms for size, ms in (costs or estimated_costs(chunk_graphs)).items()
              if size == 1 or size in chunk_graphs}

@@ -143,9 +143,15 @@ def test_prefill_every_tail_length(llama_dir, tmp_path):
     engine = specc.load(specc.compile(root / "llama", drafter="draft-model", drafter_layers=1, tree="chain:2",
                                       output_dir=tmp_path / "e", max_len=48, prefill_chunk=4, progress=False,
                                       modes="greedy"))
+    calls = []
+    plain = engine.graphs["plain_greedy"]
+    engine.graphs["plain_greedy"] = lambda *a: calls.append(int(a[1])) or plain(*a)
     for n in range(1, 11):
         ids = (PROMPT * 2)[:n]
+        calls.clear()
         assert engine.generate(ids, max_new_tokens=6, stop_at_eos=False).token_ids == hf_greedy(model, ids, 6)
+        # the tail (n % 4 of up to 3 tokens) went through the one-token graph, at its own positions
+        assert [c for c in calls if c < n] == list(range(n - n % 4, n)), n
 
 
 def test_prefill_chunks_of_several_sizes(llama_dir, tmp_path, capsys):
@@ -183,35 +189,42 @@ def test_prefill_chunks_of_several_sizes(llama_dir, tmp_path, capsys):
 
 
 def test_prefill_plan_is_the_cheapest_cover():
-    """prefill_plan against brute force over every sequence of calls: the least total cost, full
-    calls before a padded last one, contiguous from token 0 to the prompt's end."""
+    """prefill_plan against brute force over every sequence of calls (each call starts where the last
+    ended; all but the last end inside the prompt; none ends past the capacity): the least total cost,
+    contiguous from token 0 to the prompt's end. Without measured costs, the old rule."""
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from specc.prefill import prefill_plan
+    from specc.prefill import estimated_costs, prefill_plan
 
-    def cheapest(n, costs):
-        best = {0: 0.0}
-        for i in range(n):
-            for size, cost in costs.items():
-                j = min(n, i + size)
-                best[j] = min(best.get(j, float("inf")), best[i] + cost) if i in best else best.get(j, float("inf"))
-        return best[n]
+    def cheapest(n, costs, capacity):
+        def cost_from(i):  # every sequence of calls from token i on, enumerated
+            options = [costs[size] + (0.0 if i + size >= n else cost_from(i + size))
+                       for size in costs if capacity is None or i + size <= capacity]
+            return min(options, default=float("inf"))
+        return cost_from(0)
 
-    @settings(max_examples=200, deadline=None)
-    @given(st.integers(1, 70), st.lists(st.integers(2, 40), min_size=0, max_size=3, unique=True),
-           st.lists(st.floats(0.5, 100.0), min_size=4, max_size=4))
-    def check(n, chunks, ms):
+    @settings(max_examples=150, deadline=None)
+    @given(st.integers(1, 14), st.lists(st.integers(2, 9), min_size=0, max_size=2, unique=True),
+           st.lists(st.floats(0.5, 100.0), min_size=3, max_size=3), st.integers(0, 9))
+    def check(n, chunks, ms, room):
         costs = {1: ms[0], **{c: ms[i + 1] for i, c in enumerate(chunks)}}
-        assert prefill_plan(n, costs, n) == prefill_plan(n, {s: c for s, c in costs.items() if s == 1 or s <= n}, n)
-        plan = prefill_plan(n, costs)
+        capacity = n + room
+        plan = prefill_plan(n, costs, capacity)
         assert plan[0][0] == 0 and all(s1 + z1 == s2 for (s1, z1), (s2, _) in zip(plan, plan[1:]))
-        assert plan[-1][0] + plan[-1][1] >= n and all(s + z <= n for s, z in plan[:-1])
-        assert sum(costs[z] for _, z in plan) == pytest.approx(cheapest(n, costs))
+        assert plan[-1][0] + plan[-1][1] >= n and all(s + z < n for s, z in plan[:-1])
+        assert all(s + z <= capacity for s, z in plan)
+        assert sum(costs[z] for _, z in plan) == pytest.approx(cheapest(n, costs, capacity))
 
     check()
-    assert prefill_plan(35, {1: 31.0, 32: 110.0}) == [(0, 32), (32, 1), (33, 1), (34, 1)]  # the old rule
-    assert prefill_plan(36, {1: 31.0, 32: 110.0}) == [(0, 32), (32, 32)]
+    # the capacity decides: the cheap 8-chunk may not pad past slot 47 (from 40 it would end at 48)
+    assert prefill_plan(43, {1: 10.0, 4: 10.0, 8: 1.0}, 48) == [(0, 8), (8, 8), (16, 8), (24, 8), (32, 8), (40, 8)]
+    assert prefill_plan(43, {1: 10.0, 4: 10.0, 8: 1.0}, 47) == [(0, 8), (8, 8), (16, 8), (24, 8), (32, 8), (40, 4)]
+    # no measured costs: a tail of up to 3 tokens through the one-token graph, whole chunks largest first
+    for chunk in (4, 8, 32, 128):
+        assert prefill_plan(chunk + 3, estimated_costs([chunk])) == [(0, chunk)] + [(chunk + i, 1) for i in range(3)]
+        assert prefill_plan(chunk + 4, estimated_costs([chunk])) == [(0, chunk), (chunk, chunk)]
+    assert prefill_plan(200, estimated_costs([128, 32])) == [(0, 128), (128, 32), (160, 32), (192, 32)]
     assert prefill_plan(145, {1: 16.0, 32: 97.0, 128: 258.0}) == [(0, 128), (128, 32)]
 
 
