@@ -1,7 +1,7 @@
 """Where a generation's time goes: plain decoding against an engine's speculative decoding, in the loop.
 
     python examples/loop_breakdown.py ENGINE [--datasets humaneval,mt-bench] [--limit 10]
-                                      [--max-new-tokens 128] [--rounds 2] [--json]
+                                      [--max-new-tokens 128] [--rounds 2] [--write BENCHMARKS.md] [--json]
 
 Each prompt runs plain (the engine's plain graph) and speculative decoding back to back, --rounds
 times, the order rotated every round. Every graph call and every call of the drafter's host methods
@@ -15,7 +15,6 @@ wall time by the speculative one; "decode only" leaves prefill out of both.
 EOS does not stop generation (both methods produce the same number of tokens).
 """
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ from collections import defaultdict
 
 import specc
 import specc.runtime
+from specc import benchfile
 from specc.data import load_prompts
 from specc.errors import SpeccError
 from specc.models import quiet_libraries
@@ -98,7 +98,8 @@ def measure(engine, logs, prompts, new_tokens: int, rounds: int) -> dict:
     return out
 
 
-def report(dataset: str, out: dict, n_prompts: int) -> dict:
+def report(dataset: str, out: dict, n_prompts: int, lines: list[str]) -> dict:
+    """The dataset's tables, appended to `lines`; its figures as a dict."""
     plain_call = statistics.median(out["plain"]["calls"].get("plain_greedy") or [float("nan")])
     rows = {}
     for method, m in out.items():
@@ -111,21 +112,22 @@ def report(dataset: str, out: dict, n_prompts: int) -> dict:
     p, s = out["plain"], out["speculative"]
     speedup = p["wall"] / s["wall"]
     decode_only = (p["wall"] - p["parts"]["prefill"]) / (s["wall"] - s["parts"]["prefill"])
-    print(f"\n## {dataset} ({n_prompts} prompts)\n")
-    print(f"speedup {speedup:.2f}x (decode only {decode_only:.2f}x); plain graph in plain decoding: "
-          f"{plain_call * 1000:.2f} ms a call\n")
-    print("| method | wall s | tau | " + " | ".join(["prefill", "graphs (decode)", "drafter", "runtime (rest)"])
-          + " |\n|---|---|---|---|---|---|---|")
+    lines += [f"\n#### {dataset} ({n_prompts} prompts)\n",
+              f"speedup {speedup:.2f}x (decode only {decode_only:.2f}x); plain graph in plain decoding: "
+              f"{plain_call * 1000:.2f} ms a call\n",
+              "| method | wall s | tau | prefill | graphs (decode) | drafter | runtime (rest) |",
+              "|---|---|---|---|---|---|---|"]
     for method, row in rows.items():
         parts = row["parts_s"]
         decode = sum(v for k, v in parts.items() if k.startswith("graph:"))
         cells = [parts.get("prefill", 0.0), decode, parts.get("drafter", 0.0), parts.get("runtime (rest)", 0.0)]
-        print(f"| {method} | {row['wall_s']:.2f} | {row['tau']:.2f} | "
-              + " | ".join(f"{v:.2f} ({v / row['wall_s']:.0%})" for v in cells) + " |")
-    print("\n| method | graph | calls | ms a call (median) | c (against plain decoding's plain call) |\n|---|---|---|---|---|")
+        lines.append(f"| {method} | {row['wall_s']:.2f} | {row['tau']:.2f} | "
+                     + " | ".join(f"{v:.2f} ({v / row['wall_s']:.0%})" for v in cells) + " |")
+    lines += ["", "| method | graph | calls | ms a call (median) | c (against plain decoding's plain call) |",
+              "|---|---|---|---|---|"]
     for method, row in rows.items():
         for name, g in row["graphs"].items():
-            print(f"| {method} | {name} | {g['calls']} | {g['ms']:.2f} | {g['c']:.2f} |")
+            lines.append(f"| {method} | {name} | {g['calls']} | {g['ms']:.2f} | {g['c']:.2f} |")
     return {"dataset": dataset, "prompts": n_prompts, "speedup": round(speedup, 4),
             "decode_only_speedup": round(decode_only, 4), "methods": rows}
 
@@ -137,6 +139,8 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--write", default=None, metavar="FILE.md",
+                    help="insert this run, dated, under '## History' in FILE.md (default: write nothing)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.limit < 1 or a.rounds < 1 or a.max_new_tokens < 1:
@@ -156,15 +160,20 @@ def main() -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logs = instrument(engine)
-    results = []
+    results, lines = [], []
     for dataset, texts in sets.items():
         prompts = [engine.encode(t, chat=True) for t in texts]
         for speculate in (False, True):  # warm-up, not counted
             engine.generate(prompts[0], max_new_tokens=8, speculate=speculate)
-        results.append(report(dataset, measure(engine, logs, prompts, a.max_new_tokens, a.rounds), len(prompts)))
-    if a.json:
-        print(json.dumps(results))
-    return 0
+        out = measure(engine, logs, prompts, a.max_new_tokens, a.rounds)
+        results.append(report(dataset, out, len(prompts), lines))
+    setup = (f"Engine {a.engine} ({engine.manifest['target']['name']}, {engine.manifest['backend']}, "
+             f"{engine.manifest['dtype']}); greedy, {a.max_new_tokens} new tokens per prompt, first {a.limit} "
+             f"prompts of each set, chat template on, EOS ignored; each prompt plain and speculative back to "
+             f"back, {a.rounds} rounds, the order alternating; times summed over prompts and rounds, per-call "
+             f"times medians over every call.")
+    run = benchfile.new_run("Where the time goes", [], benchfile.command_line(), breakdown=results)
+    return benchfile.finish(a, run, setup, "\n".join(lines))
 
 
 if __name__ == "__main__":
