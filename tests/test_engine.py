@@ -423,3 +423,43 @@ def test_mtp_engine_greedy_and_drafts(tmp_path, arch, backend, tree, kind):
         assert accepted >= 10  # the acceptance paths (several hidden rows per step) really ran
     for committed, (drafts, _) in seen:
         assert drafts == cached_scheme_drafts(heads, model, committed, k)
+
+
+def test_prefill_and_breakdown_scripts(tmp_path):
+    """examples/bench_prefill.py (several chunk sizes against the smallest alone) and
+    examples/loop_breakdown.py (the loop's split) on a tiny engine with a chat template: their JSON
+    runs hold what they report; an engine with one chunk size is refused in one sentence."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import cli_env, save_tiny_model, tiny_tokenizer
+
+    model = save_tiny_model(tmp_path / "m", tokenizer=False)
+    tok = tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(model)
+    kw = dict(drafter="ngram", tree="chain:2", backend="eager", max_len=400, progress=False, modes="greedy")
+    several = specc.compile(model, output_dir=tmp_path / "e", prefill_chunk="32,8", **kw)
+    one = specc.compile(model, output_dir=tmp_path / "one", prefill_chunk=8, **kw)
+    examples = Path(__file__).resolve().parents[1] / "examples"
+
+    def run(script, *args):
+        return subprocess.run([sys.executable, "-P", str(examples / script), *map(str, args)], env=cli_env(),
+                              capture_output=True, text=True, timeout=300)
+
+    out = run("bench_prefill.py", several, "--datasets", "humaneval", "--limit", "2", "--rounds", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    row, = json.loads(out.stdout)["prefill"]
+    assert row["dataset"] == "humaneval" and row["prompts"] == 2 and row["speedup"] > 0
+    assert row["calls"]["several sizes"] <= row["calls"]["8 alone"]
+    out = run("loop_breakdown.py", several, "--datasets", "mt-bench", "--limit", "1", "--rounds", "1",
+              "--max-new-tokens", "6", "--json")
+    assert out.returncode == 0, out.stderr
+    ds, = json.loads(out.stdout)["breakdown"]
+    assert ds["dataset"] == "mt-bench" and ds["speedup"] > 0
+    plain, spec = ds["methods"]["plain"], ds["methods"]["speculative"]
+    assert plain["parts_s"]["prefill"] > 0 and spec["parts_s"]["prefill"] > 0
+    assert plain["graphs"]["plain_greedy"]["c"] == 1.0 and plain["tokens"] == spec["tokens"] == 6
+    bad = run("bench_prefill.py", one, "--limit", "1")
+    assert bad.returncode == 2 and "one prefill chunk size" in bad.stderr and "Traceback" not in bad.stderr
