@@ -12,9 +12,11 @@
 """
 from __future__ import annotations
 
+import ast
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -143,9 +145,35 @@ def lift(ep: torch.export.ExportedProgram, state: dict[str, torch.Tensor], examp
         return torch.export.export(Lifted(module, names), (sub, *example_args), strict=False), sub
 
 
+# C++ comments, and the string and character literals that may hold comment-like text (kept).
+_CPP_COMMENT_OR_LITERAL = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|//[^\n]*|/\*.*?\*/', re.S)
+
+
+def _without_docstrings(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+def code_text(path: Path) -> str:
+    """A source file's code without its comments: for Python its syntax tree without docstrings
+    (layout and comments are not in it), for C++ the text with comments removed and blank lines
+    dropped. The compile cache keys on this, so that editing a kernel's documentation does not
+    recompile every engine (a SmolLM2 adaptive engine takes about 14 minutes here)."""
+    text = path.read_text()
+    if path.suffix == ".py":
+        return ast.dump(_without_docstrings(ast.parse(text)))
+    code = _CPP_COMMENT_OR_LITERAL.sub(lambda m: " " if m.group(0)[0] == "/" else m.group(0), text)
+    return "\n".join(line.rstrip() for line in code.splitlines() if line.strip())
+
+
 def kernel_sources() -> str:
     """The specc ops are triton_ops whose bodies Inductor inlines (the acceptance rules' entry points
-    in acceptance.py pick them): their source is part of the compiled code."""
+    in acceptance.py pick them): their code is part of the compiled code."""
     import specc.kernels
     from specc.kernels.cpu_kernels import load_cpu_kernel
     from specc.kernels.rows_linear import choice_key
@@ -153,7 +181,7 @@ def kernel_sources() -> str:
     folder = Path(specc.kernels.__file__).parent
     files = sorted(folder.glob("*.py")) + sorted(folder.glob("*.cpp")) + [Path(__file__).parent / "acceptance.py"]
     # whether gguf_linear's CPU body calls the C++ product or the reference decides the compiled code
-    return "".join(p.read_text() for p in files) + f"cpu_kernel={load_cpu_kernel()}," + choice_key()
+    return "".join(f"{p.name}\n{code_text(p)}\n" for p in files) + f"cpu_kernel={load_cpu_kernel()}," + choice_key()
 
 
 # Inductor keeps a fused bf16/fp16 chain in float32 and rounds once at the store, so a graph's

@@ -1,5 +1,6 @@
 """End to end on tiny random models: compile -> artifact -> load -> generate, against HF generate()."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -251,6 +252,30 @@ def test_compile_cache_key_sees_the_tree(llama_dir):
     a = key([[0], [1], [0, 0]])
     assert a == key([[0], [1], [0, 0]])
     assert a != key([[0], [1], [1, 0]])
+
+
+def test_compile_cache_key_ignores_comments_not_code(tmp_path):
+    """The kernels' code keys the compile cache; their comments and docstrings do not, so a
+    documentation edit keeps every compiled graph. Comment-like text inside a literal is code."""
+    import specc.kernels
+    from specc.backends import code_text
+
+    def text(name, source):
+        (tmp_path / name).write_text(source)
+        return code_text(tmp_path / name)
+
+    py = 'def f(x):\n    """Doc."""\n    return x + 1  # one\n'
+    assert text("a.py", py) == text("b.py", '# a header\ndef f(x):\n\n    return x + 1\n')
+    assert text("a.py", py) != text("b.py", py.replace("x + 1", "x + 2"))
+    assert text("a.py", py) != text("b.py", py.replace('"""Doc."""', 's = "Doc."'))
+    cpp = 'int f() {  // one\n  /* two\n  lines */\n  return 1;\n}\nconst char* s = "a // b";\n'
+    assert text("a.cpp", cpp) == text("b.cpp", 'int f() {\n\n  return 1; /* other */\n}\nconst char* s = "a // b";\n')
+    assert text("a.cpp", cpp) != text("b.cpp", cpp.replace("return 1", "return 2"))
+    assert text("a.cpp", cpp) != text("b.cpp", cpp.replace('"a // b"', '"a // c"'))
+    # a real kernel: the same code with every comment line dropped
+    src = Path(specc.kernels.__file__).parent / "rows_linear.py"
+    bare = "\n".join(line for line in src.read_text().splitlines() if not line.lstrip().startswith("#"))
+    assert bare != src.read_text() and code_text(src) == text("rows_linear.py", bare)
 
 
 def test_one_compile_per_graph_at_a_time(tmp_path, monkeypatch):
