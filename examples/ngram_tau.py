@@ -1,7 +1,7 @@
 """Offline tau of ngram chain drafts on the target's own greedy text: which continuation to draft.
 
     python examples/ngram_tau.py ENGINE [--limit 10] [--max-new-tokens 128] [--ks 4,8] [--min-ngrams 3,1]
-                                 [--corpus 8000,15000]
+                                 [--corpus 8000,15000] [--trees chain:1,chain:2,topk:1,2]
 
 ENGINE is any compiled SmolLM2 engine: its plain decoding gives the greedy text of each prompt
 (HumanEval and MT-Bench, chat template on). Then, for a chain of k drafts, every step is replayed
@@ -11,19 +11,25 @@ verification would. tau = tokens / steps, for two rules: the continuation of the
 earlier occurrence (specc before 2026-12-02), and specc's by_frequency order. With --corpus, also
 the ngram drafter as it runs (specc.drafters.ngram.NgramDrafter: lookup's matches of 2 tokens, then
 the corpus table, then lookup's 1-token matches) with tables built from the first N ShareGPT
-conversations for each N given, against lookup alone (matches of any length).
+conversations for each N given, against lookup alone (matches of any length). With --trees, the
+shape of one step: at every position of the text, the drafter as an adaptive engine runs it (with
+ENGINE's own corpus table, if it has one) fills each tree, and greedy verification's committed
+tokens are counted, split by where the drafts came from (prompt lookup, the corpus table): which
+tree of a few nodes a step should verify, without compiling one.
 """
 import argparse
+import statistics
 import sys
+from pathlib import Path
 
 import numpy as np
 
 import specc
-from specc import corpus
+from specc import benchfile, corpus
 from specc.data import load_prompts
 from specc.drafters.ngram import NgramDrafter, ngram_propose
 from specc.errors import SpeccError
-from specc.tree import chain
+from specc.tree import Tree, chain, parse_tree
 
 
 def most_recent(tokens: np.ndarray, k: int, max_ngram: int, min_ngram: int) -> list[int]:
@@ -61,6 +67,31 @@ def drafter_propose(k: int, table):
     return propose
 
 
+def committed(tree: Tree, drafts: list[int], truth: list[int]) -> int:
+    """Tokens greedy verification commits: the longest path of drafts that matches the text, plus one."""
+    tokens, node, n = [None] + list(drafts), 0, 0
+    while n < len(truth):
+        node = next((c for c in tree.children[node] if tokens[c] == truth[n]), None)
+        if node is None:
+            break
+        n += 1
+    return n + 1
+
+
+def tree_steps(rows, tree: Tree, table) -> dict[str, list[int]]:
+    """Committed tokens of one step of `tree` at every position of each text, by the drafts' source."""
+    drafter = NgramDrafter(tree, 4, 1, table)
+    out = {"prompt lookup": [], "corpus table": [], "no draft": []}
+    for ids, generated in rows:
+        text = ids + generated
+        for p in range(len(ids), len(text)):
+            drafter.start(text[:p], "greedy", None, None)
+            drafts, found = drafter.propose(text[:p])
+            source = "no draft" if not found else "corpus table" if drafter.from_corpus is not None else "prompt lookup"
+            out[source].append(committed(tree, drafts, text[p:p + tree.max_depth]) if found else 1)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("engine")
@@ -69,6 +100,8 @@ def main() -> int:
     ap.add_argument("--ks", default="4,8")
     ap.add_argument("--min-ngrams", default="3,1")
     ap.add_argument("--corpus", default="", help="comma-separated conversation counts of ShareGPT tables to replay")
+    ap.add_argument("--trees", default="", help="comma-separated trees (chain:K, topk:D,W) whose single steps to replay")
+    ap.add_argument("--write", metavar="BENCHMARKS.md", help="insert this run, dated, under History in the file")
     a = ap.parse_args()
     try:
         ks, min_ngrams = [int(x) for x in a.ks.split(",")], [int(x) for x in a.min_ngrams.split(",")]
@@ -81,6 +114,7 @@ def main() -> int:
               "positive conversation counts, --limit at least 1.", file=sys.stderr)
         return 2
     try:
+        trees = {spec: parse_tree(spec) for spec in split_trees(a.trees)}
         engine = specc.load(a.engine)
     except SpeccError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -92,28 +126,65 @@ def main() -> int:
             ids = engine.encode(prompt, chat=True)
             res = engine.generate(ids, max_new_tokens=a.max_new_tokens, speculate=False, stop_at_eos=False)
             texts[dataset].append((ids, res.token_ids))
-    print("| dataset | chain | min n-gram | tau, most recent | tau, by_frequency |\n|---|---|---|---|---|")
+    out: list[str] = []
+    say = out.append
+    say("| dataset | chain | min n-gram | tau, most recent | tau, by_frequency |\n|---|---|---|---|---|")
     for dataset, rows in texts.items():
         for k in ks:
             for mn in min_ngrams:
                 old = replay_tau(rows, lambda t, k: most_recent(t, k, 4, mn), k)
                 new = replay_tau(rows, lambda t, k: ngram_propose(t, k, 4, mn), k)
-                print(f"| {dataset} | chain:{k} | {mn} | {old:.3f} | {new:.3f} |")
+                say(f"| {dataset} | chain:{k} | {mn} | {old:.3f} | {new:.3f} |")
     if sizes:
         vocab = engine.manifest["target"]["vocab_size"]
         tables = {}
         for n in sizes:
             arrays = corpus.build_table(corpus.sharegpt_sequences(engine.tokenizer, n), vocab)
             tables[n] = (corpus.CorpusTable(arrays, vocab), sum(v.nbytes for v in arrays.values()) / 1e6)
-        print("\n| dataset | chain | lookup only | " + " | ".join(f"+ table of {n} conversations ({mb:.0f} MB)"
-                                                          for n, (_, mb) in tables.items()) + " |")
-        print("|---|---|---|" + "---|" * len(tables))
+        say("\n| dataset | chain | lookup only | " + " | ".join(f"+ table of {n} conversations ({mb:.0f} MB)"
+                                                        for n, (_, mb) in tables.items()) + " |")
+        say("|---|---|---|" + "---|" * len(tables))
         for dataset, rows in texts.items():
             for k in ks:
                 taus = [replay_tau(rows, drafter_propose(k, None), k)]
                 taus += [replay_tau(rows, drafter_propose(k, table), k) for table, _ in tables.values()]
-                print(f"| {dataset} | chain:{k} | " + " | ".join(f"{t:.3f}" for t in taus) + " |")
+                say(f"| {dataset} | chain:{k} | " + " | ".join(f"{t:.3f}" for t in taus) + " |")
+    if trees:
+        drafter = engine.manifest["drafter"]
+        table = corpus.load_table(Path(a.engine) / "draft", engine.manifest["target"]["vocab_size"]) \
+            if drafter.get("kind") == "ngram" and "corpus" in drafter else None
+        then = "then the engine's corpus table" if table is not None else "the engine has no corpus table"
+        say(f"\nOne step of each tree at every position (drafts: prompt lookup, {then}); tokens committed "
+            f"a step, mean, by the drafts' source (share of positions)\n")
+        say("| dataset | tree | nodes | all | prompt lookup | corpus table | no draft |\n|---|---|---|---|---|---|---|")
+        for dataset, rows in texts.items():
+            for spec, tree in trees.items():
+                by = tree_steps(rows, tree, table)
+                n = sum(len(v) for v in by.values())
+                cells = [f"{statistics.mean(v):.3f} ({len(v) / n:.0%})" if v else "-" for v in by.values()]
+                say(f"| {dataset} | {spec} | {tree.size} | {statistics.mean(sum(by.values(), [])):.3f} | "
+                    + " | ".join(cells) + " |")
+    report = "\n".join(out)
+    print(report)
+    if a.write:
+        setup = (f"{engine.manifest['target'].get('name', 'the target')}'s greedy text of the first {a.limit} prompts "
+                 f"of each set ({a.max_new_tokens} new tokens, chat template on), ngram drafts replayed on it "
+                 f"without the model (engine {a.engine}). No timing.")
+        run = benchfile.new_run("ngram drafts replayed on the target's text", [])
+        title = benchfile.write_run(a.write, run, setup, report)
+        print(f"wrote the run {title!r} under History in {a.write}", file=sys.stderr)
     return 0
+
+
+def split_trees(text: str) -> list[str]:
+    """chain:1,topk:1,2 -> [chain:1, topk:1,2]: a comma followed by a digit continues a topk spec."""
+    specs: list[str] = []
+    for part in filter(None, text.split(",")):
+        if part[0].isdigit() and specs:
+            specs[-1] += "," + part
+        else:
+            specs.append(part)
+    return specs
 
 
 if __name__ == "__main__":

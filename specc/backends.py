@@ -167,7 +167,11 @@ def code_text(path: Path) -> str:
     text = path.read_text()
     if path.suffix == ".py":
         return ast.dump(_without_docstrings(ast.parse(text)))
-    code = _CPP_COMMENT_OR_LITERAL.sub(lambda m: " " if m.group(0)[0] == "/" else m.group(0), text)
+    if 'R"' in text:  # a raw string literal, which the pattern cannot skip: keep every byte
+        return text
+    # a backslash-newline joins lines before comments are seen (a // comment can run on), so join first
+    code = _CPP_COMMENT_OR_LITERAL.sub(lambda m: " " if m.group(0)[0] == "/" else m.group(0),
+                                       text.replace("\\\n", ""))
     return "\n".join(line.rstrip() for line in code.splitlines() if line.strip())
 
 
@@ -194,7 +198,7 @@ INDUCTOR_CONFIGS = {"emulate_precision_casts": True}
 
 def cache_key(lifted_ep: torch.export.ExportedProgram, sub: dict, example_args: tuple) -> str:
     """What the compiled code depends on: graph text, shapes, dtypes, versions, and the exact bytes
-    of the graph's own constants (tree masks, child tables), the kernels' source (inlined) -- not the
+    of the graph's own constants (tree masks, child tables), the kernels' code (inlined) -- not the
     engine's weights, which are inputs."""
     h = hashlib.sha256()
     for part in (lifted_ep.graph_module.code,

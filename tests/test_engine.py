@@ -258,24 +258,32 @@ def test_compile_cache_key_ignores_comments_not_code(tmp_path):
     """The kernels' code keys the compile cache; their comments and docstrings do not, so a
     documentation edit keeps every compiled graph. Comment-like text inside a literal is code."""
     import specc.kernels
-    from specc.backends import code_text
+    from specc.backends import code_text, kernel_sources
 
     def text(name, source):
         (tmp_path / name).write_text(source)
         return code_text(tmp_path / name)
 
-    py = 'def f(x):\n    """Doc."""\n    return x + 1  # one\n'
-    assert text("a.py", py) == text("b.py", '# a header\ndef f(x):\n\n    return x + 1\n')
-    assert text("a.py", py) != text("b.py", py.replace("x + 1", "x + 2"))
-    assert text("a.py", py) != text("b.py", py.replace('"""Doc."""', 's = "Doc."'))
-    cpp = 'int f() {  // one\n  /* two\n  lines */\n  return 1;\n}\nconst char* s = "a // b";\n'
-    assert text("a.cpp", cpp) == text("b.cpp", 'int f() {\n\n  return 1; /* other */\n}\nconst char* s = "a // b";\n')
-    assert text("a.cpp", cpp) != text("b.cpp", cpp.replace("return 1", "return 2"))
-    assert text("a.cpp", cpp) != text("b.cpp", cpp.replace('"a // b"', '"a // c"'))
-    # a real kernel: the same code with every comment line dropped
+    py = '"""Module."""\nclass C:\n    """Class."""\n    def f(self, x):\n        """Doc."""\n        "kept"\n' \
+         '        return f"{x + 1}"  # one\n'
+    same = '# a header\nclass C:\n\n    def f(self, x):\n        \'\'\'Other.\'\'\'\n        "kept"\n        return f"{x + 1}"\n'
+    assert text("a.py", py) == text("b.py", same)
+    for old, new in (("x + 1", "x + 2"), ('"kept"', '"other"'), ('"""Doc."""', 's = "Doc."')):
+        assert text("a.py", py) != text("b.py", py.replace(old, new)), new
+    cpp = 'int f() {  // one\n  /* two\n  lines */\n  return 1;\n}\nconst char* s = "a // b";\nchar q = \'"\';\n'
+    assert text("a.cpp", cpp) == text("b.cpp", 'int f() {\n\n  return 1; /* other */\n}\n'
+                                               'const char* s = "a // b";\nchar q = \'"\'; // "\n')
+    for old, new in (("return 1", "return 2"), ('"a // b"', '"a // c"'), ("'\"'", "'/'"),
+                     ("// one\n", "// one \\\n")):  # the continued comment swallows the next line
+        assert text("a.cpp", cpp) != text("b.cpp", cpp.replace(old, new)), new
+    raw = 'const char* r = R"(a " /* )";\nint g() { return 1; } /* */\n'
+    assert text("r.cpp", raw) == raw  # a raw string: every byte counts
+    # a real kernel: the same code with every comment line dropped, and its code in the key
     src = Path(specc.kernels.__file__).parent / "rows_linear.py"
-    bare = "\n".join(line for line in src.read_text().splitlines() if not line.lstrip().startswith("#"))
-    assert bare != src.read_text() and code_text(src) == text("rows_linear.py", bare)
+    lines = src.read_text().splitlines()
+    bare = [line for line in lines if not line.lstrip().startswith("#")]
+    assert len(bare) < len(lines) and code_text(src) == text("rows_linear.py", "\n".join(bare))
+    assert code_text(src) in kernel_sources()
 
 
 def test_one_compile_per_graph_at_a_time(tmp_path, monkeypatch):
@@ -488,3 +496,47 @@ def test_prefill_and_breakdown_scripts(tmp_path):
     assert plain["graphs"]["plain_greedy"]["c"] == 1.0 and plain["tokens"] == spec["tokens"] == 6
     bad = run("bench_prefill.py", one, "--limit", "1")
     assert bad.returncode == 2 and "one prefill chunk size" in bad.stderr and "Traceback" not in bad.stderr
+    out = run("ngram_tau.py", several, "--limit", "1", "--max-new-tokens", "6", "--ks", "2", "--min-ngrams", "1",
+              "--trees", "chain:1,topk:1,2")
+    assert out.returncode == 0, out.stderr
+    rows = [line.split(" | ") for line in out.stdout.splitlines() if line.startswith("| mt-bench | ")]
+    assert [(r[1], r[2]) for r in rows if r[1] != "chain:2"] == [("chain:1", "2"), ("topk:1,2", "3")]
+    for r in rows[1:]:
+        assert 1 <= float(r[3]) <= int(r[2])  # tokens a step: at least the bonus, at most the tree's depth + 1
+    bad = run("ngram_tau.py", several, "--trees", "chain:x")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_ngram_tau_counts_what_greedy_verification_commits():
+    """examples/ngram_tau.py's one-step replay against brute force: the deepest node whose path
+    matches the text, plus one (siblings distinct, as verification takes the first match)."""
+    import importlib.util
+    import random
+
+    from specc.tree import parse_tree, tree_from_paths
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "ngram_tau.py"
+    spec = importlib.util.spec_from_file_location("ngram_tau", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.split_trees("chain:1,topk:1,2,topk:2,2") == ["chain:1", "topk:1,2", "topk:2,2"]
+    rng = random.Random(0)
+    for tree in (parse_tree("chain:3"), parse_tree("topk:2,2"), tree_from_paths([[0], [1], [0, 0], [1, 0], [1, 1]])):
+        for _ in range(200):
+            drafts = [None] * tree.size
+            for kids in tree.children:
+                for c, t in zip(kids, rng.sample(range(4), len(kids))):
+                    drafts[c] = t
+            truth = [rng.randrange(4) for _ in range(tree.max_depth)]
+            best = max(tree.depths[i] for i in range(tree.size)
+                       if all(drafts[a] == truth[tree.depths[a] - 1] for a in ancestors(tree, i)))
+            assert script.committed(tree, drafts[1:], truth) == best + 1
+
+
+def ancestors(tree, node):
+    """The nodes on the path from the root (excluded) down to node (included)."""
+    out = []
+    while node > 0:
+        out.append(node)
+        node = tree.parents[node]
+    return out
