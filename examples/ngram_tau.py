@@ -84,8 +84,8 @@ def tree_steps(rows, tree: Tree, table) -> dict[str, list[int]]:
     out = {"prompt lookup": [], "corpus table": [], "no draft": []}
     for ids, generated in rows:
         text = ids + generated
+        drafter.start(ids, "greedy", None, None)  # as the runtime: its match index grows with the text
         for p in range(len(ids), len(text)):
-            drafter.start(text[:p], "greedy", None, None)
             drafts, found = drafter.propose(text[:p])
             source = "no draft" if not found else "corpus table" if drafter.from_corpus is not None else "prompt lookup"
             out[source].append(committed(tree, drafts, text[p:p + tree.max_depth]) if found else 1)
