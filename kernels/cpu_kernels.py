@@ -4,7 +4,10 @@
   specc::gguf_linear on CPU;
 * `specc_cpu::dense_matvec(x, w)`: with a float32 or int8 [out, in] weight (dense_cpu.cpp), the
   body of specc::rows_linear on CPU at the row counts and input widths it was measured faster
-  (rows_linear.py).
+  (rows_linear.py);
+* `specc_cpu::rows_attention(q, k, v, mask, scale, kv_len)`: a decode step's attention over the cache
+  (attention_cpu.cpp), the CPU body of specc::tree_attention: each row summed over the keys in slot
+  order, so a tree node's row gets the plain step's bits (tree_attention.py).
 
 The C++ is compiled for the machine it runs on (`-march=native`, once per machine, source and
 torch version, under ~/.cache/specc/cpp) the first time a CPU product needs it, with the compiler
@@ -23,10 +26,13 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(f) for f in ("gguf_cpu.cpp", "dense_cpu.cpp")]
+SOURCES = [Path(__file__).with_name(f) for f in ("gguf_cpu.cpp", "dense_cpu.cpp", "attention_cpu.cpp")]
 # no contraction: the reference's rounding. SPECC_CPU_KERNEL_FLAGS adds flags (the tests build the
 # portable path on an AVX-512 machine with -mno-avx512f).
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", *os.environ.get("SPECC_CPU_KERNEL_FLAGS", "").split()]
+# -fno-trapping-math: lets the compiler vectorise loops with conditional selects (attention's exp), which
+# changes no value.
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math",
+         *os.environ.get("SPECC_CPU_KERNEL_FLAGS", "").split()]
 
 _state: dict[str, object] = {}
 
@@ -66,6 +72,7 @@ def load_cpu_kernel() -> bool:
                  extra_ldflags=["-fopenmp"], build_directory=str(out), is_python_module=False, verbose=False)
             torch.library.register_fake("specc_cpu::gguf_matvec")(_fake_gguf)
             torch.library.register_fake("specc_cpu::dense_matvec")(_fake_dense)
+            torch.library.register_fake("specc_cpu::rows_attention")(_fake_attention)
             ok = True
         except Exception as e:  # no compiler, or a build that failed: keep the reference
             _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
@@ -84,3 +91,7 @@ def _fake_gguf(x, qs, d, m, fmt):
 
 def _fake_dense(x, w):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+def _fake_attention(q, k, v, mask, scale, kv_len=None):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)

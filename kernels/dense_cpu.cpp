@@ -16,9 +16,14 @@
 // AVX2 machines (no AVX-512) get the same tiles in 8-lane registers, shaped for their 16 registers
 // (4 weight rows up to 2 input rows, 2 up to 4, 1 beyond); other CPUs a portable loop.
 //
-// Every output is one thread's sum of a vector's lanes (16 on AVX-512, 8 on AVX2 and 16 in the portable
-// loop) over k in steps of that many, reduced the same way whatever the number of rows: a row's result
-// does not depend on the rows beside it or on how many there are.
+// Every output is summed in the order of Inductor's reduction loop over the same weight (the `matvec`
+// pass's other form, rows_linear_reference): lane l of one vector (16 on AVX-512, 8 on AVX2) adds
+// w[k] * x[k] for k = l, l + LANES, ... as a product rounded, then a sum rounded (no fused multiply-add:
+// Inductor compiles with -ffp-contract=off), a last partial vector adds to its own lanes only, and the
+// lanes are summed by at::vec's tree (i + i^8, i + i^4, i + i^2, i + i^1), then added to 0. So a row's
+// bits do not depend on how many rows share the call, nor on which of the two products computes it
+// (tests/test_products.py compares them bit for bit): a T-row verify gives each row what the 1-row
+// plain step gives (`lanes()` tells rows_linear.py the width, checked against Inductor's).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -49,8 +54,20 @@ inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec vload(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+// c + a * b, rounded twice (Inductor's `acc + w * x`)
+inline Vec vmuladd(Vec a, Vec b, Vec c) { return _mm512_add_ps(c, _mm512_mul_ps(a, b)); }
+// the same, in the first n lanes only (Inductor's sum_masked_reduce of a last partial vector)
+inline Vec vmuladd_first(Vec a, Vec b, Vec c, int64_t n) {
+  return _mm512_mask_add_ps(c, static_cast<__mmask16>((1u << n) - 1), c, _mm512_mul_ps(a, b));
+}
+// at::vec::vec_reduce_all's tree for 16 lanes
+inline float vsum(Vec v) {
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+  v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0x4E));
+  v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0xB1));
+  return _mm512_cvtss_f32(v);
+}
 #elif defined(SPECC_SIMD)  // AVX2 + FMA
 using Vec = __m256;
 constexpr int64_t LANES = 8;
@@ -61,11 +78,18 @@ inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vload(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vmuladd(Vec a, Vec b, Vec c) { return _mm256_add_ps(c, _mm256_mul_ps(a, b)); }
+inline Vec vmuladd_first(Vec a, Vec b, Vec c, int64_t n) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
+  return _mm256_blendv_ps(c, _mm256_add_ps(c, _mm256_mul_ps(a, b)), keep);
+}
+// at::vec::vec_reduce_all's tree for 8 lanes
 inline float vsum(Vec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 0x1));
+  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
+  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
+  return _mm256_cvtss_f32(v);
 }
 #else
 constexpr int64_t LANES = 16;
@@ -101,7 +125,7 @@ inline void tile(const float* x, int64_t K, const W* w, float* out, int64_t N) {
     }
     for (int r = 0; r < R; ++r) {
       const Vec xv = vload(x + r * K + k);
-      for (int j = 0; j < NB; ++j) acc[j][r] = vfma(wv[j], xv, acc[j][r]);
+      for (int j = 0; j < NB; ++j) acc[j][r] = vmuladd(wv[j], xv, acc[j][r]);
     }
   }
   if (k < K) {
@@ -109,11 +133,11 @@ inline void tile(const float* x, int64_t K, const W* w, float* out, int64_t N) {
     for (int j = 0; j < NB; ++j) wv[j] = vload_tail(w + j * K + k, K - k);
     for (int r = 0; r < R; ++r) {
       const Vec xv = vload_tail(x + r * K + k, K - k);
-      for (int j = 0; j < NB; ++j) acc[j][r] = vfma(wv[j], xv, acc[j][r]);
+      for (int j = 0; j < NB; ++j) acc[j][r] = vmuladd_first(wv[j], xv, acc[j][r], K - k);
     }
   }
   for (int j = 0; j < NB; ++j)
-    for (int r = 0; r < R; ++r) out[r * N + j] = vsum(acc[j][r]);
+    for (int r = 0; r < R; ++r) out[r * N + j] = 0.0f + vsum(acc[j][r]);
 #else
   // Portable: 16 lanes in arrays the compiler vectorises.
   float acc[NB][R][LANES] = {};
@@ -199,8 +223,20 @@ at::Tensor dense_matvec(const at::Tensor& x, const at::Tensor& w) {
   return out.reshape(shape);
 }
 
+// The lanes of the vector each output is summed in (0: the portable loop, whose order is its own).
+int64_t dense_lanes() {
+#if defined(SPECC_SIMD)
+  return LANES;
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(specc_cpu, lib) { lib.def("dense_matvec(Tensor x, Tensor w) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(specc_cpu, lib) {
+  lib.def("dense_matvec(Tensor x, Tensor w) -> Tensor");
+  lib.def("dense_lanes() -> int", &dense_lanes);
+}
 
 TORCH_LIBRARY_IMPL(specc_cpu, CPU, lib) { lib.impl("dense_matvec", &dense_matvec); }

@@ -19,6 +19,7 @@ import torch._inductor.inductor_prims  # noqa: F401 -- registers prims.inductor_
 from torch import Tensor
 
 from .cpu_kernels import load_cpu_kernel
+from .triton_support import traced
 
 # Whole step graphs of SmolLM2 on the AVX-512 EPYC, 2026-12-04 (BENCHMARKS.md "Cost curve of the step
 # graphs, 2026-12-04"): the C++ product won at 1 row (plain step 12.9 ms, 16.2 with the reduction) and
@@ -71,8 +72,11 @@ def kernel_choice(one_row: bool | None = None, many_rows: bool | None = None):
 
 def choice_key() -> str:
     """What decides rows_linear's body besides its source: part of the compile cache's key."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    # the vector Inductor compiles for: the order of its sums, and of the C++ product's (same_order)
     return (f"float32_kernel={float32_kernel()},one_row={ONE_ROW_KERNEL},many_rows={MANY_ROWS_KERNEL},"
-            f"reduction_rows_bytes={REDUCTION_ROWS_BYTES}")
+            f"reduction_rows_bytes={REDUCTION_ROWS_BYTES},isa={pick_vec_isa()}")
 
 
 def float32_kernel() -> bool:
@@ -91,16 +95,54 @@ def rows_linear_reference(x: Tensor, w: Tensor) -> Tensor:
     return torch.stack(sums, 0).view(shape + [w.shape[0]])
 
 
+def rows_linear_each(x: Tensor, w: Tensor) -> Tensor:
+    """x @ w.T one row at a time, each through the very call a one-row product makes: what an eager
+    graph runs where the C++ product does not apply. A library GEMM picks its kernel and its blocking
+    of the sums by the number of rows (measured on CPU float32: a row of an 8-row product differs from
+    the 1-row product in 1129 of 1536 outputs), so a T-row verify would not give a row the bits of the
+    plain step; row by row it does, at the cost of reading the weight once per row."""
+    shape, K = list(x.shape[:-1]), x.shape[-1]
+    w = w if w.dtype == x.dtype else w.to(x.dtype)
+    rows = x.reshape(-1, K)
+    return torch.cat([torch.nn.functional.linear(rows[r: r + 1], w) for r in range(rows.shape[0])]).view(
+        shape + [w.shape[0]])
+
+
 @torch.library.triton_op("specc::rows_linear", mutates_args=())
 def rows_linear(x: Tensor, w: Tensor) -> Tensor:
-    """x @ w.T, for the few rows of a decode step. A `triton_op`: export keeps it as one node and
-    Inductor traces into this body, which picks the C++ product on CPU float32, at the row counts where
-    it was measured faster, when it builds."""
+    """x @ w.T, for the few rows of a decode step, each row's bits independent of the number of rows.
+    A `triton_op`: export keeps it as one node and Inductor traces into this body, which picks the
+    C++ product on CPU float32, at the row counts where it was measured faster, when it builds and
+    sums in Inductor's order (same_order), else the reduction. Run eagerly (an eager engine's graph), it
+    takes the C++ product for float32 on CPU where that builds, else rows_linear_each."""
     K = x.shape[-1]
+    if not traced(x):
+        if x.device.type == "cpu" and x.dtype == torch.float32 and load_cpu_kernel():
+            return torch.ops.specc_cpu.dense_matvec(x, w)
+        return rows_linear_each(x, w)
     if x.device.type == "cpu" and x.dtype == torch.float32 and kernel_rows(x.numel() // K, K, w.dtype) \
-            and load_cpu_kernel():
+            and load_cpu_kernel() and (w.dtype == torch.int8 or same_order()):
         return torch.ops.specc_cpu.dense_matvec(x, w)
     return rows_linear_reference(x, w)
+
+
+def same_order() -> bool:
+    """Whether the C++ product sums each output in the order of Inductor's reduction here: its
+    vector has as many float lanes as the one Inductor compiles for on this CPU (dense_cpu.cpp). A
+    graph family then gives each row the same bits whichever of the two computes it, at every row
+    count; where the widths differ (a build for another instruction set, or the portable loop), a
+    float32 weight keeps the reduction at every row count. int8 weights take the C++ product at
+    every row count, so they need no such check."""
+    if "same_order" not in _ORDER:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        isa = pick_vec_isa()
+        lanes = isa.nelements(torch.float32) if isa else 1
+        _ORDER["same_order"] = load_cpu_kernel() and torch.ops.specc_cpu.dense_lanes() == lanes
+    return _ORDER["same_order"]
+
+
+_ORDER: dict[str, bool] = {}
 
 
 def many_rows(rows: int, inputs: int) -> bool:

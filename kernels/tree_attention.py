@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .cpu_kernels import load_cpu_kernel
 from .triton_support import next_pow2, require_triton, tl, traced, triton, wrap_triton
 
 
@@ -185,10 +186,23 @@ def tree_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, sc
     reads none of them; the reference, which relies on the mask alone, ignores it.
 
     A `triton_op`: Inductor and AOTInductor trace into this body instead of calling the op through
-    Python. On CUDA they embed the Triton kernel in the compiled graph; on CPU they compile the SDPA
-    reference natively."""
+    Python. On CUDA they embed the Triton kernel in the compiled graph; on CPU the graph calls the C++
+    kernel of rows_kernel() where it builds (reading keys below kv_len only), else it compiles the
+    SDPA reference natively."""
     if traced(q):  # shapes are checked once when a graph is traced; eagerly this runs per layer per step
         _check(q, k_cache, v_cache, mask)
     if q.device.type == "cuda" and triton is not None:
         return tree_attention_triton(q, k_cache, v_cache, mask, scale, kv_len)
+    if rows_kernel(q, mask):
+        return torch.ops.specc_cpu.rows_attention(q, k_cache, v_cache, mask, scale, kv_len)
     return tree_attention_reference(q, k_cache, v_cache, mask, scale)
+
+
+def rows_kernel(q: Tensor, mask: Tensor) -> bool:
+    """Whether the op runs the C++ kernel specc_cpu::rows_attention (attention_cpu.cpp): on CPU, for
+    float32, bf16 and fp16 with a mask of the query's dtype, where it builds. Each row is summed over the
+    keys in slot order, so a tree node's row gets the bits the plain step gets for the same token at the
+    same position, whatever the number of rows and wherever the tree's masked slots sit (SDPA's sums
+    follow vector lanes and GEMM blocks by key position and row count)."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and mask.dtype == q.dtype and load_cpu_kernel())

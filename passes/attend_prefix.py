@@ -7,6 +7,11 @@ SmolLM2 on this project's 2-core CPU, that SDPA took 5.7 ms of a 24 ms plain ste
 follow the context length, as the Triton kernel's kv_len does on CUDA. The length is a data-dependent
 (unbacked) size, which AOTInductor compiles for CPU; on CUDA the graphs keep static shapes (CUDA
 graphs replay fixed launches) and the kernel skips the empty keys itself, so this pass is CPU-only.
+
+Where specc's C++ attention serves the decode graphs (kernels/attention_cpu.cpp: it reads only the keys
+below kv_len and sums each row in slot order, so a tree node's row gets the plain step's bits), their
+ops stay as they are; this pass then slices the prefill chunks' attention (and, without the C++
+kernels, the decode graphs' too, in whole KEY_BLOCKs).
 """
 from __future__ import annotations
 
@@ -20,21 +25,41 @@ from specc.passes.tree_attention import tree_attention
 aten = torch.ops.aten
 
 
+# Keys are read in whole blocks of this many: n = kv_len rounded up to a multiple of it (at most S).
+# A row's attention sums exp(score) and p * v over the keys in vector lanes and GEMM blocks whose
+# boundaries follow n; at n = kv_len exactly, the plain step (kv_len = base + 1) and a T-node step
+# (base + T) of one engine split the same visible keys differently and their rows differ in the last
+# bits (measured: bf16 and fp32, ATen's CPU flash kernel, from 2 nodes). With n a multiple of 64 the
+# split of the visible keys is the same for every T, and the keys between two such n are masked:
+# exp gives exactly 0 there, which adds nothing. Cost: up to 63 masked keys per call.
+KEY_BLOCK = 64
+
+
+def keys_read(kv_len: int, S: int) -> int:
+    """The keys an attention reads when kv_len are filled: what the pass computes in the graph."""
+    return min(S, -(-kv_len // KEY_BLOCK) * KEY_BLOCK)
+
+
 def attend_prefix(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """Invariant: every `specc::tree_attention(q, k, v, mask, scale, kv_len)` becomes SDPA over
-    k[:, :, :n], v[:, :, :n] and mask[..., :n] with n = kv_len as an integer, asserted in [1, S]
-    (one n per kv_len node, shared by all layers). The keys dropped are exactly those the mask hides
-    (tree_attention's contract for kv_len), so the values equal the op's CPU reference up to the
-    order of the float sums. Calls without kv_len and the signature are unchanged.
+    """Invariant: every `specc::tree_attention(q, k, v, mask, scale, kv_len)` (except those the C++
+    kernel serves, rows_kernel_here: left as they are) becomes SDPA over
+    k[:, :, :n], v[:, :, :n] and mask[..., :n] with n = min(S, kv_len rounded up to a multiple of
+    KEY_BLOCK) as an integer, asserted in [1, S] (one n per kv_len node, shared by all layers). The
+    keys dropped are only keys the mask hides (tree_attention's contract for kv_len), so the values
+    equal the op's CPU reference up to the order of the float sums, and each query row gets the same
+    bits whatever the number of rows in the call (KEY_BLOCK). Calls without kv_len and the signature
+    are unchanged.
 
     Plain SDPA calls over a cache just written (a prefill chunk's, which its plan leaves as SDPA for
     every backend) first become the op with kv_len = 1 + the last slot written (`tree_attention`),
     so a chunk attends over the prompt so far, not the whole cache."""
+    decode = {n for n in ep.graph.nodes if n.op == "call_function" and n.target is torch.ops.specc.tree_attention.default}
+    keep = decode if rows_kernel_here(ep) else set()
     ep = tree_attention(ep)
     g = ep.graph_module.graph
     lengths: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in list(g.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.specc.tree_attention.default:
+        if node.op != "call_function" or node.target is not torch.ops.specc.tree_attention.default or node in keep:
             continue
         if len(node.args) < 6 or node.args[5] is None:
             continue
@@ -59,13 +84,26 @@ def attend_prefix(ep: torch.export.ExportedProgram) -> torch.export.ExportedProg
     return ep
 
 
+def rows_kernel_here(ep: torch.export.ExportedProgram) -> bool:
+    """Whether the decode graph's attention ops run the C++ kernel (tree_attention.rows_kernel), which
+    reads only the keys below kv_len itself and sums each row in slot order: those ops stay as they are."""
+    from specc.kernels.tree_attention import rows_kernel
+
+    ops = [n for n in ep.graph.nodes if n.op == "call_function" and n.target is torch.ops.specc.tree_attention.default]
+    return bool(ops) and all(rows_kernel(n.args[0].meta["val"], n.args[3].meta["val"]) for n in ops)
+
+
 def _length(g: torch.fx.Graph, kv_len: torch.fx.Node, S: int) -> torch.fx.Node:
-    """kv_len as an unbacked integer, with the asserts that bound it (what torch.export writes for
-    `n = t.item(); torch._check(1 <= n <= S)`)."""
-    item = g.call_function(aten.item.default, (kv_len,))
+    """kv_len rounded up to whole KEY_BLOCKs (at most S) as an unbacked integer, with the asserts
+    that bound it (what torch.export writes for `n = t.item(); torch._check(1 <= n <= S)`)."""
+    up = _fake(g.call_function(aten.add.Tensor, (kv_len, KEY_BLOCK - 1)))
+    up = _fake(g.call_function(aten.div.Tensor_mode, (up, KEY_BLOCK), {"rounding_mode": "floor"}))
+    up = _fake(g.call_function(aten.mul.Tensor, (up, KEY_BLOCK)))
+    up = _fake(g.call_function(aten.clamp_max.default, (up, S)))
+    item = g.call_function(aten.item.default, (up,))
     mode = _fake_mode(kv_len.meta["val"])
     with mode:
-        u = aten.item.default(kv_len.meta["val"])
+        u = aten.item.default(up.meta["val"])
     # the symbol is bound by this node's output: record it as export does, and clear it from the
     # shape environment's pending list (the next trace would otherwise look for it in other outputs)
     mode.shape_env.pending_fresh_unbacked_symbols.clear()
@@ -73,7 +111,7 @@ def _length(g: torch.fx.Graph, kv_len: torch.fx.Node, S: int) -> torch.fx.Node:
     for op, bound in ((operator.ge, 1), (operator.le, S)):
         check = g.call_function(op, (item, bound))
         check.meta["val"] = op(u, bound)
-        g.call_function(aten._assert_scalar.default, (check, f"kv_len must lie in [1, {S}]"))
+        g.call_function(aten._assert_scalar.default, (check, f"the keys read must lie in [1, {S}]"))
         torch._check(op(u, bound))  # tells the shape environment the range
     return item
 

@@ -38,7 +38,8 @@ aten = torch.ops.aten
 MAX_ROWS = 16
 
 
-def matvec(ep: torch.export.ExportedProgram, max_rows: int = MAX_ROWS) -> torch.export.ExportedProgram:
+def matvec(ep: torch.export.ExportedProgram, max_rows: int = MAX_ROWS, stored_only: bool = False
+           ) -> torch.export.ExportedProgram:
     """Invariant: every `aten.linear` whose input has at most `max_rows` rows is replaced by
     `specc::rows_linear` where its weight is a placeholder or an int8 placeholder cast to the input's
     dtype (the cast, left unused, goes too), else by one multiply and sum over the last dimension per
@@ -53,7 +54,11 @@ def matvec(ep: torch.export.ExportedProgram, max_rows: int = MAX_ROWS) -> torch.
     The rows are a stored buffer: left alone, Inductor inlines their pointwise producer (the residual
     add and RMSNorm before the q/k/v, gate/up and LM-head products) into the reduction and recomputes
     it for every weight row and token row, which makes a 3-row step compute-bound (measured: the
-    LM-head kernel 5.4 ms at 1 row, 22.4 at 3; 7.2 at 3 once stored)."""
+    LM-head kernel 5.4 ms at 1 row, 22.4 at 3; 7.2 at 3 once stored).
+
+    `stored_only` (the eager backend): only the products over stored weights change, to the op, whose
+    eager body gives each row the bits of a one-row product (rows_linear.rows_linear_each); a
+    product over a weight computed in the graph stays `linear` (its sums would be materialised)."""
     g = ep.graph_module.graph
     for node in list(g.nodes):
         if node.op != "call_function" or node.target is not aten.linear.default:
@@ -65,6 +70,8 @@ def matvec(ep: torch.export.ExportedProgram, max_rows: int = MAX_ROWS) -> torch.
         if rows > max_rows:
             continue
         stored = _stored_weight(w, x.meta["val"].dtype)
+        if stored is None and stored_only:
+            continue
         with g.inserting_before(node):
             if stored is not None:
                 new = [g.call_function(torch.ops.specc.rows_linear.default, (x, stored))]

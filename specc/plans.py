@@ -52,8 +52,14 @@ class GraphPlan:
 
 
 def start(backend: str) -> Pipeline:
-    # Inductor only: it turns few-row products into streaming reductions; eager would materialise them.
-    return Pipeline().add("matvec", matvec) if backend == "inductor" else Pipeline()
+    """Inductor: few-row products become rows_linear or streaming reductions. Eager: those over stored
+    weights become rows_linear, whose eager body computes each row alike at any row count (a library
+    GEMM does not); the written-out reductions would be materialised there. onnx/tensorrt keep linear."""
+    if backend == "inductor":
+        return Pipeline().add("matvec", matvec)
+    if backend == "eager":
+        return Pipeline().add("matvec", partial(matvec, stored_only=True))
+    return Pipeline()
 
 
 def prefill_plans(name: str, module: str, chunk: int, cache_len: int, backend: str, modes,
@@ -63,7 +69,7 @@ def prefill_plans(name: str, module: str, chunk: int, cache_len: int, backend: s
                                                                lambda p: tree_inputs(p, chain(chunk - 1), cache_len)))
     def last(m: str) -> Pipeline:
         p = Pipeline().wrap("sample_last", partial(sample_last, mode=m, table=table)).add("last_row_head", last_row_head)
-        return p.add("matvec", matvec) if backend == "inductor" else p  # the head is one row now
+        return p.add("matvec", matvec) if backend == "inductor" else p  # the head is one row now (prefill only)
 
     return [GraphPlan(graph_name(name, m), module, chunk, last(m), mode=m, base=base) for m in modes]
 

@@ -553,9 +553,9 @@ def test_attend_prefix_slices_the_cache_and_keeps_values(tmp_path, T, op):
 def test_graph_plans_run_the_kernel_passes():
     tr = topk(2, 2)
     plans = {p.name: p for p in graph_plans(get_kind("ngram"), tr, 8, S)}
-    for mode in ("greedy", "sample", "top_p"):
-        assert plans[f"step_{mode}"].passes == ["tree_attention", "tree_inputs", "accept", "compact_kv"]
-        assert plans[f"plain_{mode}"].passes == ["tree_attention", "tree_inputs", "accept", "compact_kv"]
+    for mode in ("greedy", "sample", "top_p"):  # eager: matvec gives each row one product (rows_linear)
+        assert plans[f"step_{mode}"].passes == ["matvec", "tree_attention", "tree_inputs", "accept", "compact_kv"]
+        assert plans[f"plain_{mode}"].passes == ["matvec", "tree_attention", "tree_inputs", "accept", "compact_kv"]
         assert "tree_attention" not in plans[f"prefill_{mode}"].passes
     ind = {p.name: p for p in graph_plans(get_kind("ngram"), tr, 8, S, backend="inductor")}
     assert ind["step_greedy"].passes == ["matvec", "tree_attention", "tree_inputs", "accept", "compact_kv"]

@@ -1,0 +1,183 @@
+"""Row-invariant numerics: each row of a T-node verify gets the bits the 1-row plain step gets.
+
+Greedy speculation reproduces plain decoding token for token only if the verify computes every row
+exactly as the plain step does; a last-bit difference flips an argmax on a near tie (common in bf16).
+Checked here piece by piece (products, attention) and whole (the engine's verify programs, eager and
+compiled, in float32, bfloat16 and float16), with negative controls that show the checks can fail."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specc.kernels.cpu_kernels import load_cpu_kernel
+from specc.kernels.rows_linear import rows_linear, rows_linear_reference, same_order
+from specc.passes.attend_prefix import KEY_BLOCK, keys_read
+from specc.row_check import compare_rows, diverging_node, first_divergence, random_text, verify_program
+from specc.target_module import TargetModule, module_state
+from specc.tree import chain, topk
+from tiny import tiny_model
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.skipif(not load_cpu_kernel() or not same_order(),
+                    reason="the C++ product is not built here, or sums in other lanes than Inductor's vector")
+@pytest.mark.parametrize("K", [576, 100, 37])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.int8])
+def test_cpp_product_sums_in_inductors_order(K, wdtype):
+    """The two bodies of rows_linear on CPU float32, the C++ product and Inductor's compiled reduction,
+    give the same bits for every row at every row count (widths with a partial last vector too), so the
+    choice between them by row count (specc/products.py) cannot make a row's bits depend on T."""
+    w = torch.randn(72, K, generator=gen(K))
+    w = (w * 40).round().clamp(-127, 127).to(torch.int8) if wdtype == torch.int8 else w
+    x = torch.randn(1, 16, K, generator=gen(1))
+    compiled = torch.compile(lambda r: rows_linear_reference(r, w), fullgraph=True, dynamic=False)(x)
+    for rows in (1, 2, 3, 5, 8, 9, 16):
+        got = torch.ops.specc_cpu.dense_matvec(x[:, :rows].contiguous(), w)
+        assert torch.equal(bits(got), bits(compiled[:, :rows])), rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_eager_products_rows_alike(dtype):
+    """rows_linear run eagerly (an eager engine's products): a row of a T-row call equals the 1-row
+    call's bits, for float and int8 weights."""
+    w = torch.randn(96, 64, generator=gen(0)).to(dtype)
+    x = torch.randn(1, 9, 64, generator=gen(1)).to(dtype)
+    for weight in (w, (w.float() * 40).round().clamp(-127, 127).to(torch.int8)):
+        many = rows_linear(x, weight)
+        for r in range(x.shape[1]):
+            assert torch.equal(bits(rows_linear(x[:, r: r + 1].clone(), weight)[0, 0]), bits(many[0, r])), r
+
+
+def test_keys_read_are_whole_blocks():
+    S = 1056
+    for kv_len in (1, 2, 63, 64, 65, 700, 1024, 1025, 1056):
+        n = keys_read(kv_len, S)
+        assert kv_len <= n <= S and (n % KEY_BLOCK == 0 or n == S) and n - kv_len < KEY_BLOCK
+
+
+def _attention(q, k, v, mask, n):
+    return F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n], attn_mask=mask[..., :n], scale=0.125)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_over_whole_key_blocks_is_row_invariant(dtype):
+    """attend_prefix's attention: a tree's root row over keys_read(base + T) keys gets the plain step's
+    bits over keys_read(base + 1), for contexts across the 512-key blocks of the CPU kernel and trees up
+    to 16 nodes (grouped query rows folded as the target folds them). Negative control: reading exactly
+    kv_len keys, as the pass did before, changes some rows' bits."""
+    KV, G, D, S = 3, 3, 64, 1056
+    k = torch.randn(1, KV, S, D, generator=gen(0)).to(dtype)
+    v = torch.randn(1, KV, S, D, generator=gen(1)).to(dtype)
+    cols = torch.arange(S)
+    exact_differs = 0
+    for case, (L, T) in enumerate([(5, 2), (40, 8), (100, 4), (300, 4), (300, 8), (511, 2), (600, 16),
+                                   (700, 4), (700, 8), (1000, 16), (1040, 16)]):
+        rows = torch.arange(T).view(T, 1) + L
+        mask = torch.zeros(T, S).masked_fill(cols.view(1, S) > rows, -1e9).to(dtype)
+        q = torch.randn(1, KV, G * T, D, generator=gen(10 + case)).to(dtype)
+        q_root = q.view(1, KV, G, T, D)[:, :, :, 0].contiguous()
+        tree_mask, root_mask = mask.repeat(G, 1).view(1, 1, G * T, S), mask[:1].repeat(G, 1).view(1, 1, G, S)
+        for read, expect_same in ((keys_read, True), (lambda n, S: n, False)):
+            plain = _attention(q_root, k, v, root_mask, read(L + 1, S))
+            step = _attention(q, k, v, tree_mask, read(L + T, S)).view(1, KV, G, T, D)[:, :, :, 0]
+            same = torch.equal(bits(plain), bits(step))
+            if expect_same:
+                assert same, (L, T)
+            else:
+                exact_differs += not same
+    if dtype != torch.float16:  # measured: bf16 and fp32 rows differ when the keys read follow kv_len exactly
+        assert exact_differs > 0
+
+
+@pytest.mark.skipif(not load_cpu_kernel(), reason="the C++ kernels are not built here")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_attention_sums_each_row_in_slot_order(dtype):
+    """The C++ attention of the decode graphs: values as SDPA's (up to rounding); a row's bits equal
+    whatever the other rows, the keys read past kv_len (never read: NaN there changes nothing) and where
+    the masked slots sit: a tree node whose parent sits two slots up (node 4 of a 2x2 tree) gets the
+    bits of plain decoding, where the parent sits right before it."""
+    KV, G, D, S, base = 2, 3, 64, 160, 70
+    op = torch.ops.specc_cpu.rows_attention
+    k = torch.randn(1, KV, S, D, generator=gen(0)).to(dtype)
+    v = torch.randn(1, KV, S, D, generator=gen(1)).to(dtype)
+    q = torch.randn(1, KV, G, D, generator=gen(2)).to(dtype)  # one token's query rows
+
+    def mask_for(visible: list[int], rows: int = 1):
+        allowed = torch.zeros(S, dtype=torch.bool)
+        allowed[:base] = True
+        allowed[visible] = True
+        return torch.zeros(S).masked_fill(~allowed, -1e9).to(dtype).view(1, 1, 1, S).expand(1, 1, G * rows, S)
+
+    # plain decoding: root at base, parent at base + 1, the node at base + 2; the tree: parent at base + 2,
+    # the node at base + 4 (slots base + 1 and base + 3 hold siblings, masked for this row)
+    path_k, path_v = k.clone(), v.clone()
+    tree_k, tree_v = k.clone(), v.clone()
+    for (src, dst) in ((base + 1, base + 2), (base + 2, base + 4)):
+        tree_k[:, :, dst], tree_v[:, :, dst] = path_k[:, :, src], path_v[:, :, src]
+    tree_k[:, :, base + 5:], tree_v[:, :, base + 5:] = float("nan"), float("nan")  # past kv_len: never read
+    plain = op(q, path_k, path_v, mask_for([base, base + 1, base + 2]).contiguous(), 0.125, torch.tensor(base + 3))
+    node = op(q, tree_k, tree_v, mask_for([base, base + 2, base + 4]).contiguous(), 0.125, torch.tensor(base + 5))
+    assert torch.equal(bits(plain), bits(node))
+    ref = F.scaled_dot_product_attention(q.float(), path_k[:, :, :base + 3].float(), path_v[:, :, :base + 3].float(),
+                                         scale=0.125)
+    torch.testing.assert_close(plain.float(), ref, atol=2e-2 if dtype != torch.float32 else 1e-5, rtol=1e-2)
+    # the same row among others (a tree's four nodes: other queries, other masks)
+    qs = torch.randn(1, KV, G * 4, D, generator=gen(3)).to(dtype)
+    qs.view(1, KV, G, 4, D)[:, :, :, 2] = q
+    rows = torch.cat([mask_for([base, base + 2, base + 4]) if t == 2 else mask_for([base + t])
+                      for t in range(4)], dim=2).view(1, 1, 4, G, S).transpose(2, 3).reshape(1, 1, G * 4, S)
+    many = op(qs, tree_k, tree_v, rows.contiguous(), 0.125, torch.tensor(base + 5))
+    assert torch.equal(bits(many.view(1, KV, G, 4, D)[:, :, :, 2]), bits(node))
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_verify_rows_equal_the_plain_step(dtype, backend):
+    """The row-equality contract on an engine's own verify programs (the passes and lowering passes of
+    the backend; inductor: both compiled by AOTInductor): every node of a tree gets the logits, bit for
+    bit, that the plain program computes along the node's path, on a random tiny model (head size 64,
+    like SmolLM2's) over a context that crosses key blocks."""
+    model = tiny_model("llama", vocab=128, layers=2, hidden=256, heads=4, kv_heads=2, seed=5).to(dtype)
+    target = TargetModule(model, 160)
+    tree = topk(2, 2)
+    context, drafts = random_text(128, 70, 1), random_text(128, tree.size, 2)
+    report = compare_rows(target, tree, context, drafts, backend)
+    assert report.identical, report
+    assert first_divergence(target, tree, context, drafts, backend) is None
+
+
+def _scale_product(ep, index: int, factor: float) -> str:
+    """Multiply the output of the program's index-th product by `factor` (a new node); its name."""
+    products = [n for n in ep.graph.nodes if n.op == "call_function" and n.target is torch.ops.specc.rows_linear.default]
+    node = products[index]
+    with ep.graph.inserting_after(node):
+        scaled = ep.graph.call_function(torch.ops.aten.mul.Tensor, (node, factor))
+    node.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
+    scaled.meta["val"] = node.meta["val"]
+    ep.graph_module.recompile()
+    return scaled.name
+
+
+def test_first_divergence_finds_a_row_dependent_op():
+    """Negative control for the tool: programs whose third product is scaled by 1 in the plain step and
+    by 1 + 2^-10 in the tree's verify (an op whose rows depend on the row count) are reported at that
+    very node."""
+    model = tiny_model("llama", vocab=64, layers=2, hidden=64, heads=4, kv_heads=2, seed=6)
+    target = TargetModule(model, 96)
+    tree = chain(3)
+    plain = verify_program(target, chain(0), 96, "eager")
+    step = verify_program(target, tree, 96, "eager")
+    name = _scale_product(plain, 2, 1.0)
+    assert _scale_product(step, 2, 1.0 + 2 ** -10) == name
+    found = diverging_node(plain, step, module_state(target), random_text(64, 20, 3), random_text(64, tree.size, 4))
+    assert found is not None and found.node == name and found.op == "aten.mul.Tensor" and found.differing > 0, found
