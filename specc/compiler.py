@@ -302,13 +302,12 @@ def write_manifest(stage: Path, cfg: CompileConfig, target, modules: EngineModul
 
 
 def cpu_kernels_used(cfg: CompileConfig) -> bool:
-    """Whether an engine's graphs may call the specc_cpu products: Inductor on CPU, with float32 activations
-    (rows_linear's body, over float32 or int8 weights) or GGUF blocks (gguf_linear's), where the
-    products built here."""
+    """Whether an engine's graphs may call the specc_cpu ops: Inductor on CPU, where they built here.
+    Every decode graph's attention does (rows_attention, tree_attention's CPU body), and the products of
+    float32 activations (rows_linear's body, over float32 or int8 weights) and of GGUF blocks."""
     from specc.kernels.cpu_kernels import load_cpu_kernel
 
-    return cfg.backend == "inductor" and torch.device(cfg.device or "cpu").type == "cpu" \
-        and (cfg.quant in ("int4", "gguf") or cfg.torch_dtype == torch.float32) and load_cpu_kernel()
+    return cfg.backend == "inductor" and torch.device(cfg.device or "cpu").type == "cpu" and load_cpu_kernel()
 
 
 def eos_ids(model) -> list[int]:
