@@ -6,9 +6,14 @@ parameter. Its body is what Inductor compiles: on CPU, for int8 weights and for 
 or at more rows than the reduction holds in cache (many_rows) on a CPU with AVX-512, the hand-written
 product `specc_cpu::dense_matvec` (dense_cpu.cpp) where it builds (or as `specc compile` timed the two
 on the machine: kernel_choice, specc/products.py);
-everywhere else the reference below, one multiply and row sum per input row over the
+everywhere else on CPU the reference below, one multiply and row sum per input row over the
 weight, which Inductor fuses into one streaming reduction loop (the pass's form for every weight
-before this op existed; still its form for other weights computed in the graph).
+before this op existed; still its form for other weights computed in the graph). On CUDA a Triton
+kernel with one order of the sums per row (rows_linear_triton).
+
+Every body gives a row the same bits whatever the number of rows in the call, and the two CPU bodies
+give the same bits as each other (same_order): what makes a T-node verify compute each row as the
+plain step does (tests/test_row_invariance.py).
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import torch._inductor.inductor_prims  # noqa: F401 -- registers prims.inductor_
 from torch import Tensor
 
 from .cpu_kernels import load_cpu_kernel
-from .triton_support import traced
+from .triton_support import require_triton, tl, traced, triton, wrap_triton
 
 # Whole step graphs of SmolLM2 on the AVX-512 EPYC, 2026-12-04 (BENCHMARKS.md "Cost curve of the step
 # graphs, 2026-12-04"): the C++ product won at 1 row (plain step 12.9 ms, 16.2 with the reduction) and
@@ -108,14 +113,58 @@ def rows_linear_each(x: Tensor, w: Tensor) -> Tensor:
         shape + [w.shape[0]])
 
 
+if triton is not None:
+    @triton.jit
+    def _rows_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sx_m, sw_n, so_m, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+        """BLOCK_N outputs of every row: for each row in turn, sum over K in blocks of BLOCK_K (a block's
+        products summed by tl.sum over one [BLOCK_N, BLOCK_K] tile, the blocks one after the other),
+        float32. Every row runs the same code on the same tile shapes, so its bits do not depend on
+        the number of rows; the weight tile of a block is read from memory by the first row and from
+        cache by the others."""
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = cols < N
+        for r in range(M):
+            acc = tl.zeros([BLOCK_N], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_ok = ks < K
+                w = tl.load(w_ptr + cols[:, None] * sw_n + ks[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                            other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + r * sx_m + ks, mask=k_ok, other=0.0).to(tl.float32)
+                acc += tl.sum(w * x[None, :], 1)
+            tl.store(out_ptr + r * so_m + cols, acc, mask=n_ok)
+
+
+def rows_linear_triton(x: Tensor, w: Tensor, block_n: int = 32, block_k: int = 128) -> Tensor:
+    """x @ w.T on CUDA (or on CPU tensors under TRITON_INTERPRET=1), each row with a fixed order of its
+    sums (_rows_linear_kernel): the products of a decode step without a library GEMM, whose kernel and
+    split of the sums change with the number of rows. Summed in float32, rounded once to x's dtype.
+    Not yet run on a GPU."""
+    require_triton("rows_linear_triton")
+    shape, K, N = list(x.shape[:-1]), x.shape[-1], w.shape[0]
+    rows = x.reshape(-1, K)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    wc = w if w.stride(-1) == 1 else w.contiguous()
+    out = torch.empty((rows.shape[0], N), dtype=torch.float32, device=x.device)
+    wrap_triton(_rows_linear_kernel)[(triton.cdiv(N, block_n),)](
+        rows, wc, out, rows.shape[0], N, K, rows.stride(0), wc.stride(0), out.stride(0), BLOCK_N=block_n,
+        BLOCK_K=block_k)
+    return out.to(x.dtype).view(shape + [N])
+
+
 @torch.library.triton_op("specc::rows_linear", mutates_args=())
 def rows_linear(x: Tensor, w: Tensor) -> Tensor:
     """x @ w.T, for the few rows of a decode step, each row's bits independent of the number of rows.
     A `triton_op`: export keeps it as one node and Inductor traces into this body, which picks the
     C++ product on CPU float32, at the row counts where it was measured faster, when it builds and
     sums in Inductor's order (same_order), else the reduction. Run eagerly (an eager engine's graph), it
-    takes the C++ product for float32 on CPU where that builds, else rows_linear_each."""
+    takes the C++ product for float32 on CPU where that builds, else rows_linear_each. On CUDA, the
+    Triton kernel (rows_linear_triton) in both."""
     K = x.shape[-1]
+    if x.device.type == "cuda" and triton is not None:
+        return rows_linear_triton(x, w)
     if not traced(x):
         if x.device.type == "cpu" and x.dtype == torch.float32 and load_cpu_kernel():
             return torch.ops.specc_cpu.dense_matvec(x, w)

@@ -16,8 +16,10 @@ whose SDPA nodes were replaced by this op computes the same values on CPU.
 The Triton kernel splits the work flash-decoding style: one program per (kv head, block of query
 rows, split of the key range), so that a decode step's few rows still spread over many programs.
 Each program walks its split in blocks of columns with an online softmax (running row maximum and
-row sum, fp32) and writes its partial maximum, sum and unnormalised output; `combine_splits` then
-rescales the splits to the global maximum and normalises. Given `kv_len` (the tree_attention pass
+row sum, fp32) and writes its partial maximum, sum and unnormalised output; a second kernel then
+rescales each row's splits to its global maximum and normalises (combine_splits is its reference).
+Row blocks have a fixed size (ROW_BLOCK) and the splits follow the cache length alone, so a row's
+arithmetic does not depend on how many rows share the call. Given `kv_len` (the tree_attention pass
 passes 1 + the last slot the step writes, i.e. base_len + T), no program reads a key at or past
 it: a split that starts there stores an empty partial at once, so the work follows the context
 length, not the static cache length. D is padded up to a power of two (at least 16, what tl.dot
@@ -123,6 +125,26 @@ if triton is not None:
         tl.store(acc_out + at[:, None] * BLOCK_D + dims[None, :], acc, mask=row_ok[:, None])
 
 
+if triton is not None:
+    @triton.jit
+    def _combine_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+        """One query row: its splits' partial softmaxes rescaled to the row's maximum and summed (combine_splits),
+        as one program whose shapes are the same for every row of every call, so a row's sums run in
+        one order whatever the number of rows (a compiled torch reduction over the splits would pick
+        its blocking by the number of rows)."""
+        row = tl.program_id(0)
+        splits = tl.arange(0, BLOCK_S)
+        ok = splits < SPLITS
+        m = tl.load(m_ptr + row * SPLITS + splits, mask=ok, other=float("-inf"))
+        l = tl.load(l_ptr + row * SPLITS + splits, mask=ok, other=0.0)
+        top = tl.max(m, 0)
+        w = tl.where(ok & (m > float("-inf")), tl.exp(m - tl.where(top == float("-inf"), 0.0, top)), 0.0)
+        dims = tl.arange(0, BLOCK_D)
+        acc = tl.load(acc_ptr + (row * SPLITS + splits[:, None]) * BLOCK_D + dims[None, :], mask=ok[:, None], other=0.0)
+        tl.store(out_ptr + row * BLOCK_D + dims, tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0))
+
+
 def combine_splits(m: Tensor, l: Tensor, acc: Tensor) -> Tensor:
     """The splits' partial softmaxes [.., SPLITS], [.., SPLITS], [.., SPLITS, D] -> the attention output
     [.., D], fp32: each split rescaled to the global row maximum (an empty split, m = -inf, weighs 0)."""
@@ -137,10 +159,20 @@ def split_size(S: int, block_n: int) -> int:
     return max(2 * block_n, next_pow2(triton.cdiv(S, 32)))
 
 
+# Query rows per program, the same for every call: a row's products (tl.dot) and sums then take one
+# instruction shape and one order whatever the number of rows, so a T-node verify gives each row of a
+# chain the bits the 1-row plain step gives (a row block sized by the row count would switch between
+# mma.sync and wgmma shapes). Not yet measured on a GPU: a prefill chunk's many rows may run slower
+# than with 64-row blocks.
+ROW_BLOCK = 16
+
+
 def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, scale: float,
-                          kv_len: Tensor | None = None, block_m: int | None = None, block_n: int = 64) -> Tensor:
+                          kv_len: Tensor | None = None, block_m: int = ROW_BLOCK, block_n: int = 64) -> Tensor:
     """Launch the Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), then
-    combine its splits. `kv_len` (0-d integer tensor, on the device): read only keys below it."""
+    combine its splits (_combine_kernel). `kv_len` (0-d integer tensor, on the device): read only keys
+    below it. The key splits depend on the cache length alone, and every program has the same shapes,
+    so each row is computed alike at any row count."""
     require_triton("tree_attention_triton")
     _check(q, k_cache, v_cache, mask)
     _, KV, M, D = q.shape
@@ -151,9 +183,7 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Ten
     mask = mask.expand(1, 1, M, S)  # broadcast dims get stride 0: no copy
     if M == 0:
         return torch.empty((1, KV, M, D), dtype=q.dtype, device=q.device)
-    # tl.dot needs every block dimension >= 16; a decode step has few rows, so stay small there.
-    block_m = block_m or min(64, max(16, next_pow2(M)))
-    block_d = max(16, next_pow2(D))
+    block_d = max(16, next_pow2(D))  # tl.dot needs every block dimension >= 16
     chunk = split_size(S, block_n)
     splits = triton.cdiv(S, chunk)
     part_m = torch.empty((KV, M, splits), dtype=torch.float32, device=q.device)
@@ -173,8 +203,10 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Ten
         v_cache.stride(1), v_cache.stride(2), v_cache.stride(3), mask.stride(2), mask.stride(3),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SPLITS=splits, HAS_LEN=kv_len is not None,
         PRECISION=precision, DOT_F32=dot_f32)
-    out = combine_splits(part_m, part_l, part_acc)[..., :D]
-    return out.to(q.dtype).unsqueeze(0).contiguous()
+    out = torch.empty((KV, M, block_d), dtype=torch.float32, device=q.device)
+    wrap_triton(_combine_kernel)[(KV * M,)](part_m, part_l, part_acc, out, SPLITS=splits,
+                                           BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=block_d)
+    return out[..., :D].to(q.dtype).unsqueeze(0).contiguous()
 
 
 @torch.library.triton_op("specc::tree_attention", mutates_args=())

@@ -202,6 +202,65 @@ def test_tree_attention_reference_is_block_sdpa():
     torch.testing.assert_close(out.reshape(1, KV * G, T, D), plain, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_attention_triton_rows_alike_at_any_row_count(interpreted, dtype):
+    """Row invariance of the CUDA kernel's arithmetic (ROW_BLOCK rows per program, splits by the cache
+    length, a fixed-order combine): node i of a 6-node chain verified in one call gets the bits of the
+    one-row call at its position (slots below base + i + 1 visible, kv_len = base + i + 1), across split
+    boundaries."""
+    KV, G, D, S, T = 2, 3, 64, 2048, 6
+    g = gen(21)
+    k = torch.randn(1, KV, S, D, generator=g).to(dtype)
+    v = torch.randn(1, KV, S, D, generator=g).to(dtype)
+    for base in (63, 640):  # the chain within one split of 128 keys, and across two
+        q = torch.randn(1, KV, G * T, D, generator=g).to(dtype)
+        cols = torch.arange(S)
+        chain = torch.where(cols.view(1, S) <= (torch.arange(T).view(T, 1) + base), 0.0, NEG_INF)
+        many = K.tree_attention_triton(q, k, v, chain.repeat(G, 1).view(1, 1, G * T, S).to(dtype), D ** -0.5,
+                                       torch.tensor(base + T)).view(1, KV, G, T, D)
+        for i in range(T):
+            one = K.tree_attention_triton(q.view(1, KV, G, T, D)[:, :, :, i].contiguous(), k, v,
+                                          chain[i:i + 1].repeat(G, 1).view(1, 1, G, S).to(dtype), D ** -0.5,
+                                          torch.tensor(base + i + 1))
+            assert torch.equal(one, many[:, :, :, i]), (base, i)
+
+
+def test_combine_kernel_equals_combine_splits(interpreted):
+    """The Triton combine of the splits against its torch reference, an empty split included."""
+    g = gen(8)
+    m = torch.randn(2, 5, 7, generator=g) * 3
+    m[:, :, 4] = float("-inf")
+    l = torch.rand(2, 5, 7, generator=g) + 0.5
+    l[:, :, 4] = 0.0
+    acc = torch.randn(2, 5, 7, 16, generator=g)
+    acc[:, :, 4] = 0.0
+    out = torch.empty(2, 5, 16)
+    attention_mod.wrap_triton(attention_mod._combine_kernel)[(10,)](m, l, acc, out, SPLITS=7, BLOCK_S=8, BLOCK_D=16)
+    torch.testing.assert_close(out, attention_mod.combine_splits(m, l, acc), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_rows_linear_triton_rows_alike(interpreted, wdtype):
+    """The CUDA body of rows_linear: x @ w.T, and each row's bits the same at every row count (a width
+    with a partial last block of K and of N)."""
+    from specc.kernels.rows_linear import rows_linear_triton
+
+    g = gen(31)
+    K_, N = 200, 70
+    w = torch.randn(N, K_, generator=g)
+    x = torch.randn(1, 9, K_, generator=g)
+    if wdtype == torch.int8:
+        w = (w * 40).round().clamp(-127, 127).to(torch.int8)
+    elif wdtype == torch.bfloat16:
+        w, x = w.to(wdtype), x.to(wdtype)
+    many = rows_linear_triton(x, w)
+    ref = x.float() @ w.float().T
+    tol = 1e-2 if x.dtype == torch.bfloat16 else 1e-5  # bf16: the output's own rounding
+    torch.testing.assert_close(many.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    for r in range(9):
+        assert torch.equal(rows_linear_triton(x[:, r: r + 1].contiguous(), w)[0, 0], many[0, r]), r
+
+
 def test_tree_attention_triton_launcher_refuses_bad_shapes(interpreted):
     q, k, v, mask, scale = attention_inputs(2, 2, 3, 20, 8, torch.float32, seed=0)
     with pytest.raises(ValueError, match="kv heads"):
