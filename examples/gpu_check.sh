@@ -17,6 +17,8 @@
 #            decode ms per step, with the decode calls replayed as CUDA graphs and launched
 #            kernel by kernel, and kernel launches / graph launches / syncs per step from the
 #            profiler                                                        -> engine.json
+#   rows     row invariance: each node of a verify (chain and 2x2 tree, bf16 and fp32, eager and
+#            inductor) against the plain step along its path, bit for bit                -> rows.json
 #   engine_qwen  the same at Qwen3-8B's layer shapes, 4 of its 36 layers, with the cost per layer
 #                                                                             -> engine_qwen.json
 #
@@ -72,6 +74,7 @@ section env 60 $PY examples/gpu_check.py --env-only --json "$OUT/env.json"
 section kernels 150 $PY examples/gpu_check.py --skip-engine --json "$OUT/kernels.json"
 section curve 120 $PY examples/gpu_cost_curve.py --json "$OUT/curve.json"
 section engine 270 $PY examples/gpu_check.py --skip-kernels --json "$OUT/engine.json"
+section rows 120 $PY examples/gpu_check.py --rows --json "$OUT/rows.json"
 section engine_qwen 180 $PY examples/gpu_check.py --skip-kernels --shape qwen3-8b --prompts 2 --rounds 1 \
     --new-tokens 64 --json "$OUT/engine_qwen.json"
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.fx import Interpreter
 
-from .backends import EagerGraph, InductorGraph, compile_inductor, lowering_passes
+from .backends import EagerGraph, InductorGraph, compile_inductor, lowering_passes, on_device
 from .pipeline import example_inputs
 from .plans import GraphPlan, decode_plans
 from .target_module import TargetModule, module_state
@@ -72,9 +72,12 @@ def verify_program(target: TargetModule, tree: Tree, cache_len: int, backend: st
 
 
 class _Runner:
-    """One program callable on a target's state (weights and the caches, shared by every program)."""
+    """One program callable on a target's state (weights and the caches, shared by every program, on
+    `device`, as an engine holds them)."""
 
     def __init__(self, ep, state: dict, backend: str, folder: Path, name: str, device: str):
+        self.device = device
+        ep = on_device(ep, device)
         if backend == "inductor":
             path = folder / f"{name}.pt2"
             # the program already went through lowering_passes (verify_program)
@@ -83,9 +86,9 @@ class _Runner:
         else:
             self.graph = EagerGraph(ep, state)
 
-    def __call__(self, tokens: torch.Tensor, base_len: int) -> torch.Tensor:
-        out = self.graph(tokens, torch.tensor(base_len))
-        return (out[0] if isinstance(out, (tuple, list)) else out)[0]
+    def __call__(self, tokens: list[int], base_len: int) -> torch.Tensor:
+        out = self.graph(torch.tensor(tokens, device=self.device), torch.tensor(base_len, device=self.device))
+        return (out[0] if isinstance(out, (tuple, list)) else out)[0].cpu()
 
 
 def caches(state: dict) -> dict:
@@ -94,15 +97,16 @@ def caches(state: dict) -> dict:
 
 def compare_rows(target: TargetModule, tree: Tree, context: list[int], drafts: list[int], backend: str = "eager",
                  device: str = "cpu", workdir: Path | None = None) -> RowReport:
-    """Fill the cache with `context` through the plain program, then verify the tree [context[-1]'s
-    successor root = drafts[0], drafts[1:] ...] in one call and compare each node's logits with the plain
-    program's logits along the node's path (ancestors first, the cache restored between)."""
+    """Fill the cache with `context` through the plain program, then verify the tree (root drafts[0], the
+    other nodes drafts[1:]) in one call and compare each node's logits with the plain program's logits
+    along the node's path (ancestors first, the cache restored between). The target is captured on the
+    CPU, as an engine's graphs are; its tensors run on `device`."""
     if len(drafts) != tree.size:
         raise ValueError(f"the tree has {tree.size} nodes, {len(drafts)} tokens were given")
     cache_len = target.cache_len
     if len(context) + tree.size > cache_len:
         raise ValueError("the context and the tree do not fit in the cache")
-    state = module_state(target)
+    state = {k: v.to(device) for k, v in module_state(target).items()}  # the same tensors on the CPU
     with tempfile.TemporaryDirectory(prefix="specc-rows-") as tmp:
         folder = Path(workdir or tmp)
         plain = _Runner(verify_program(target, chain(0), cache_len, backend, device), state, backend, folder,
@@ -110,7 +114,7 @@ def compare_rows(target: TargetModule, tree: Tree, context: list[int], drafts: l
         step = _Runner(verify_program(target, tree, cache_len, backend, device), state, backend, folder,
                        "step", device)
         for pos, tok in enumerate(context):
-            plain(torch.tensor([tok]), pos)
+            plain([tok], pos)
         base = len(context)
         saved = {k: v.clone() for k, v in caches(state).items()}
 
@@ -118,13 +122,13 @@ def compare_rows(target: TargetModule, tree: Tree, context: list[int], drafts: l
             for k, v in saved.items():
                 state[k].copy_(v)
 
-        rows = step(torch.tensor(drafts), base)
+        rows = step(list(drafts), base)
         expected = []
         for node in range(tree.size):
             restore()
             path = _path(tree, node)
             for depth, n in enumerate(path):
-                logits = plain(torch.tensor([drafts[n]]), base + depth)
+                logits = plain([drafts[n]], base + depth)
             expected.append(logits[0])
         restore()
     differing, flips, worst = [], [], 0.0

@@ -53,3 +53,15 @@ def test_engine_section_dry_run(tmp_path):
     assert engine["launch"]["identical_runs"] == "1/1"  # fp32 on the CPU: the three paths agree
     assert "cuda_graphs" not in engine  # CPU: skipped, not faked
     assert "fused: one graph" in proc.stdout
+
+
+def test_rows_section_dry_run(tmp_path):
+    """The rows section on the CPU, eager: each verify row equals the plain step's (the CPU kernels
+    guarantee it for chains and trees alike)."""
+    proc = run("gpu_check.py", "--rows", "--device", "cpu", "--row-backends", "eager", "--layers", "1",
+               "--json", tmp_path / "rows.json")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert {(r["dtype"], r["tree"]) for r in rows} == {(d, t) for d in ("bfloat16", "float32")
+                                                      for t in ("chain:4", "topk:2,2")}
+    assert all(r["identical"] for r in rows), rows

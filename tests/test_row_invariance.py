@@ -6,6 +6,11 @@ Checked here piece by piece (products, attention) and whole (the engine's verify
 compiled, in float32, bfloat16 and float16), with negative controls that show the checks can fail."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +21,7 @@ from specc.passes.attend_prefix import KEY_BLOCK, keys_read
 from specc.row_check import compare_rows, diverging_node, first_divergence, random_text, verify_program
 from specc.target_module import TargetModule, module_state
 from specc.tree import chain, topk
+from conftest import cli_env
 from tiny import tiny_model
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -181,3 +187,32 @@ def test_first_divergence_finds_a_row_dependent_op():
     assert _scale_product(step, 2, 1.0 + 2 ** -10) == name
     found = diverging_node(plain, step, module_state(target), random_text(64, 20, 3), random_text(64, tree.size, 4))
     assert found is not None and found.node == name and found.op == "aten.mul.Tensor" and found.differing > 0, found
+
+
+def _script(name: str, *args) -> subprocess.CompletedProcess:
+    path = Path(__file__).resolve().parents[1] / "examples" / name
+    return subprocess.run([sys.executable, "-P", str(path), *map(str, args)], env=cli_env(), capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_row_divergence_script(tmp_path):
+    """examples/row_divergence.py on a tiny model dir: every row identical, JSON out, exit 0; a bad model
+    path is one sentence and exit 2."""
+    tiny_model("llama", vocab=64, layers=1, hidden=64, heads=4, kv_heads=2, seed=8).save_pretrained(tmp_path / "m")
+    proc = _script("row_divergence.py", tmp_path / "m", "--dtypes", "float32,bfloat16", "--backend", "eager",
+                   "--tree", "topk:2,2", "--context", "20", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert [r["dtype"] for r in out] == ["float32", "bfloat16"]
+    assert all(r["rows"]["identical"] and r["rows"]["rows"] == 7 and r["first_op"] is None for r in out)
+    bad = _script("row_divergence.py", tmp_path / "missing", "--dtypes", "float32")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "error:" in bad.stderr
+
+
+@pytest.mark.skipif(not load_cpu_kernel(), reason="the C++ kernels are not built here")
+def test_bench_attention_script():
+    proc = _script("bench_attention.py", "--dtypes", "float32", "--contexts", "16", "--Ts", "1,2", "--calls", "2",
+                   "--rounds", "1", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout)["attention"]
+    assert [(r["context"], r["T"]) for r in rows] == [(16, 1), (16, 2)] and all(r["rows_us"] > 0 for r in rows)
