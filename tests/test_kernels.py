@@ -572,14 +572,23 @@ def test_tree_attention_pass_replaces_sdpa_and_keeps_values(arch, heads, kv):
     assert count(again, lambda t: t is ops.tree_attention.default) == n_layers
 
 
-@pytest.mark.parametrize("T,op", [(3, True), (8, False)])  # a step's op; a prefill chunk's plain SDPA
-def test_attend_prefix_slices_the_cache_and_keeps_values(tmp_path, T, op):
-    """The CPU lowering pass: each attention reads keys [0, kv_len) only (K, V and mask sliced to one
-    unbacked length for all layers), with the values of the whole-cache op, in eager and compiled by
-    AOTInductor, while the slots past kv_len hold garbage (the mask hides them). Plain SDPA over a
-    just-written cache (prefill's) is sliced the same way."""
+@pytest.mark.parametrize("T,op,kernel", [(3, True, False), (3, True, True), (8, False, True)])
+def test_attend_prefix_slices_the_cache_and_keeps_values(tmp_path, monkeypatch, T, op, kernel):
+    """The CPU lowering pass: each attention reads keys [0, n) only, n = kv_len in whole KEY_BLOCKs (K, V
+    and mask sliced to one unbacked length for all layers), with the values of the whole-cache op, in
+    eager and compiled by AOTInductor, while the slots past kv_len hold garbage (the mask hides them).
+    Plain SDPA over a just-written cache (prefill's) is sliced the same way. A step's ops that the C++
+    kernel serves (`kernel`, where it builds) stay ops: the kernel reads keys below kv_len itself."""
+    import specc.passes.attend_prefix as ap
+    from specc.kernels.cpu_kernels import load_cpu_kernel
     from specc.passes.attend_prefix import attend_prefix
 
+    if kernel and not (op and load_cpu_kernel()):
+        kernel = False
+        if op:
+            pytest.skip("the C++ kernels are not built here")
+    if not kernel:
+        monkeypatch.setattr(ap, "rows_kernel_here", lambda ep: False)
     model = tiny_model("llama", seed=4, heads=4, kv_heads=2)
     n_layers = model.config.num_hidden_layers
     args = (torch.randint(0, 64, (1, T), generator=gen(0)), (torch.arange(T) + 5).view(1, T), torch.arange(T) + 5,
@@ -587,12 +596,13 @@ def test_attend_prefix_slices_the_cache_and_keeps_values(tmp_path, T, op):
     ref = tree_attention(capture(TargetModule(model, S), args))
     captured = capture(TargetModule(model, S), args)
     ep = attend_prefix(tree_attention(captured) if op else captured)
-    assert count(ep, lambda t: t is ops.tree_attention.default) == 0
+    assert count(ep, lambda t: t is ops.tree_attention.default) == (n_layers if kernel else 0)
     attn = [n for n in ep.graph.nodes if n.op == "call_function" and n.target is SDPA]
-    assert len(attn) == n_layers
-    lengths = {n.args[1].args[3] for n in attn}  # slice(k, 2, None, n): one n for every layer
-    assert len(lengths) == 1 and next(iter(lengths)).target is torch.ops.aten.item.default
-    assert not isinstance(attn[0].args[1].meta["val"].shape[2], int)  # the key length is data-dependent
+    assert len(attn) == (0 if kernel else n_layers)
+    if not kernel:
+        lengths = {n.args[1].args[3] for n in attn}  # slice(k, 2, None, n): one n for every layer
+        assert len(lengths) == 1 and next(iter(lengths)).target is torch.ops.aten.item.default
+        assert not isinstance(attn[0].args[1].meta["val"].shape[2], int)  # the key length is data-dependent
     assert ep.graph_signature.user_inputs == ref.graph_signature.user_inputs
     garbage = {name: torch.randn(ref.state_dict[name].shape, generator=gen(1)) * 50
                for name in ref.state_dict if name.endswith("_cache")}
