@@ -51,13 +51,16 @@ class GraphPlan:
         return fused + (self.base.passes if self.base else []) + self.pipeline.names
 
 
-def start(backend: str) -> Pipeline:
-    """Inductor: few-row products become rows_linear or streaming reductions. Eager: those over stored
-    weights become rows_linear, whose eager body computes each row alike at any row count (a library
-    GEMM does not); the written-out reductions would be materialised there. onnx/tensorrt keep linear."""
+def start(backend: str, verify: bool = True) -> Pipeline:
+    """Inductor: few-row products become rows_linear or streaming reductions. Eager, in the target's
+    decode graphs (`verify`): those over stored weights become rows_linear, whose eager body computes
+    each row alike at any row count (a library GEMM does not: a verify row would differ from the plain
+    step's); the written-out reductions would be materialised there, and prefill chunks (which plain
+    and speculative decoding share) and drafter graphs (whose drafts are verified exactly whatever their
+    bits) keep their GEMMs. onnx/tensorrt keep linear."""
     if backend == "inductor":
         return Pipeline().add("matvec", matvec)
-    if backend == "eager":
+    if backend == "eager" and verify:
         return Pipeline().add("matvec", partial(matvec, stored_only=True))
     return Pipeline()
 
@@ -65,7 +68,7 @@ def start(backend: str) -> Pipeline:
 def prefill_plans(name: str, module: str, chunk: int, cache_len: int, backend: str, modes,
                   table: tuple[int, int] = (1, 2)) -> list[GraphPlan]:
     """A static chunk of prompt tokens -> the next token, one graph per mode over one shared capture."""
-    base = GraphPlan(name, module, chunk, start(backend).wrap("tree_inputs",
+    base = GraphPlan(name, module, chunk, start(backend, verify=False).wrap("tree_inputs",
                                                                lambda p: tree_inputs(p, chain(chunk - 1), cache_len)))
     def last(m: str) -> Pipeline:
         p = Pipeline().wrap("sample_last", partial(sample_last, mode=m, table=table)).add("last_row_head", last_row_head)

@@ -194,8 +194,10 @@ def test_tree_attention_reference_is_block_sdpa():
     values as plain attention per query head over K/V repeated per group."""
     KV, G, T, S, D = 2, 3, 4, 40, 16
     q, k, v, mask, scale = attention_inputs(KV, G, T, S, D, torch.float32, seed=3)
-    out = ops.tree_attention(q, k, v, mask, scale)
+    out = K.tree_attention_reference(q, k, v, mask, scale)
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale))
+    # the op on CPU: the C++ kernel where it builds (each row in slot order), the same values
+    torch.testing.assert_close(ops.tree_attention(q, k, v, mask, scale), out, atol=1e-6, rtol=1e-5)
     heads = q.reshape(1, KV * G, T, D)
     rep = lambda x: x.repeat_interleave(G, dim=1)  # noqa: E731
     plain = torch.softmax(heads @ rep(k).transpose(-1, -2) * scale + mask[:, :, :T], dim=-1) @ rep(v)
@@ -451,8 +453,18 @@ def op_inputs():
 
 
 def test_custom_ops_on_cpu_run_the_references():
+    """On CPU each op runs its reference, except attention where specc's C++ kernel builds: it runs that
+    kernel (rows summed in slot order, tree_attention.rows_kernel), whose values are the reference's."""
+    from specc.kernels.tree_attention import rows_kernel
+
     a = op_inputs()
-    assert torch.equal(ops.tree_attention(*a["attention"]), K.tree_attention_reference(*a["attention"]))
+    q, k, v, mask, scale = a["attention"]
+    got = ops.tree_attention(q, k, v, mask, scale)
+    if rows_kernel(q, mask):
+        assert torch.equal(got, torch.ops.specc_cpu.rows_attention(q, k, v, mask, scale))
+        torch.testing.assert_close(got, K.tree_attention_reference(q, k, v, mask, scale), atol=1e-6, rtol=1e-5)
+    else:
+        assert torch.equal(got, K.tree_attention_reference(q, k, v, mask, scale))
     assert as_tuple(ops.tree_accept_greedy(*a["greedy"])) == as_tuple(K.accept_greedy_reference(*a["greedy"]))
     assert as_tuple(ops.tree_accept_sample(*a["sample"])) == as_tuple(K.accept_sample_reference(*a["sample"]))
     cache, src, dst = a["compact"]
@@ -565,8 +577,8 @@ def test_tree_attention_pass_replaces_sdpa_and_keeps_values(arch, heads, kv):
     assert kv_len.args[0].target is torch.ops.aten.amax.default and kv_len.args[0].args[0].name == "cache_pos"
     a, b = before.module(), after.module()
     for call in range(2):  # twice: the second call attends over the first call's cache writes
-        x = tuple(t.clone() for t in args)
-        assert torch.equal(a(*x)[0], b(*x)[0]), call
+        x = tuple(t.clone() for t in args)  # the op on CPU: SDPA's values (the C++ kernel's sums, in slot order)
+        torch.testing.assert_close(b(*x)[0], a(*x)[0], atol=1e-5, rtol=1e-5, msg=str(call))
     # A retrace (what later passes do) keeps the op.
     again = capture(after.module(), args)
     assert count(again, lambda t: t is ops.tree_attention.default) == n_layers
@@ -662,9 +674,18 @@ def test_aoti_inlines_the_ops(tmp_path):
     args = (q, k, v, mask, logits, probs, tokens, table, u, src, dst)
     ep = torch.export.export(CallOps(cache), args, strict=False)
     pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "ops.pt2"))
-    code = "".join(zipfile.ZipFile(pkg).read(n).decode(errors="ignore")
-                   for n in zipfile.ZipFile(pkg).namelist() if n.endswith(".cpp"))
-    assert "proxy_executor_call_function" not in code and "specc::" not in code
+    files = zipfile.ZipFile(pkg)
+    code = "".join(files.read(n).decode(errors="ignore") for n in files.namelist() if n.endswith(".cpp"))
+    assert "specc::" not in code
+    # What goes through the proxy executor is C++ only: attention's CPU body, specc's C++ kernel where it
+    # builds (registered in C++, no Python per call); nothing else.
+    externs = "".join(files.read(n).decode(errors="ignore") for n in files.namelist() if n.endswith(".json"))
+    from specc.kernels.tree_attention import rows_kernel
+
+    calls = code.count("proxy_executor_call_function")
+    assert calls == (1 if rows_kernel(q, mask) else 0)
+    if calls:
+        assert "specc_cpu::rows_attention" in externs
     want = CallOps(cache)(*args)
     got = torch._inductor.aoti_load_package(pkg)(*args)
     assert torch.allclose(got[0], want[0], atol=1e-5)

@@ -156,13 +156,13 @@ def test_tree_inputs_logits_match_hf_on_each_path(model, name):
 
 @pytest.fixture(scope="module", params=["topk2x2", "irregular"])
 def step(request, model, tmp_path_factory):
-    """The decode-step programs of graph_plans (tree_attention -> tree_inputs -> accept -> compact_kv),
+    """The decode-step programs of graph_plans (matvec -> tree_attention -> tree_inputs -> accept -> compact_kv),
     one per mode over one capture, dumped; called as one graph that picks the mode's program."""
     tree = TREES[request.param]
     plans = [p for p in graph_plans(get_kind("ngram"), tree, 8, S) if p.name.startswith("step_")]
     assert [p.mode for p in plans] == list(MODES)
     for plan in plans:
-        assert plan.T == tree.size and plan.passes == ["tree_attention", "tree_inputs", "accept", "compact_kv"]
+        assert plan.T == tree.size and plan.passes == ["matvec", "tree_attention", "tree_inputs", "accept", "compact_kv"]
     tm = TargetModule(model, S)
     dump = tmp_path_factory.mktemp("dump")
     built = {}
@@ -426,7 +426,7 @@ def test_last_row_head_runs_the_product_on_the_selected_row(also_return_all):
 
 def test_pipeline_dumps_every_pass(step):
     _, _, _, _, dump = step
-    names = ["00-capture", "01-tree_attention", "02-tree_inputs", "03-accept", "04-compact_kv"]
+    names = ["00-capture", "01-matvec", "02-tree_attention", "03-tree_inputs", "04-accept", "05-compact_kv"]
     files = sorted(p.name for p in dump.iterdir() if p.is_file())
     assert files == sorted(f"step_{mode}.{n}.txt" for mode in MODES for n in names)
     for mode in MODES:
@@ -434,9 +434,9 @@ def test_pipeline_dumps_every_pass(step):
             text = (dump / f"step_{mode}.{n}.txt").read_text()
             assert "# input" in text and "# output" in text and "def forward" in text
         assert "index_copy" in (dump / f"step_{mode}.00-capture.txt").read_text()
-        assert "USER_INPUT" in (dump / f"step_{mode}.02-tree_inputs.txt").read_text()
+        assert "USER_INPUT" in (dump / f"step_{mode}.03-tree_inputs.txt").read_text()
     # The greedy graph takes no sampling inputs; the sample graph no top-p.
-    inputs = lambda mode: (dump / f"step_{mode}.04-compact_kv.txt").read_text().count("USER_INPUT")  # noqa: E731
+    inputs = lambda mode: (dump / f"step_{mode}.05-compact_kv.txt").read_text().count("USER_INPUT")  # noqa: E731
     assert (inputs("greedy"), inputs("sample"), inputs("top_p")) == (2, 4, 5)
 
 

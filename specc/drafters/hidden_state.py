@@ -36,8 +36,8 @@ def plans(tree: Tree, chunk: int, cache_len: int, backend: str, sampled: Sampled
     # drafters have one pair of graphs for every mode; sampled children one per mode.
     out = []
     for m in (modes if sampled is not None else (None,)):
-        out += [GraphPlan(graph_name("draft_prefill", m), "draft", chunk, start(backend), mode=m),
-                GraphPlan(graph_name("draft_step", m), "draft", tree.size, start(backend), mode=m)]
+        out += [GraphPlan(graph_name("draft_prefill", m), "draft", chunk, start(backend, verify=False), mode=m),
+                GraphPlan(graph_name("draft_step", m), "draft", tree.size, start(backend, verify=False), mode=m)]
     draft_step = (lambda m: graph_name("draft_step", m if sampled is not None else None))
     return out + [GraphPlan(graph_name("fused", m), "fused", tree.size, Pipeline(),
                             fuse=(graph_name("step", m), draft_step(m)), mode=m,
