@@ -9,16 +9,19 @@
 // rows; bf16 and float32 rows differ when the keys read end elsewhere), and a tree node's ancestors
 // sit at other slots than plain decoding puts them (node 4 of a 2x2 tree, child of node 2, sees its
 // parent at slot base + 2, plain decoding at base + 1), so even a kernel that ignores the row count
-// sums the same terms in other lanes. Here every sum runs over the keys one after the other in slot
-// order, and every other operation acts on one value at a time:
-//   score_j = (sum over d, in order, of q_d * k_jd) * scale + mask_j   (16 keys per vector, a lane each)
-//   m = max_j score_j;  p_j = exp(score_j - m)                         (exp: one formula per value)
-//   l = sum_j p_j;  acc_d = sum_j p_j * v_jd   (in slot order; p_j = 0 adds nothing and is skipped)
+// sums the same terms in other lanes. Here no sum's order depends on a key's slot or on the other rows:
+//   score_j = (q . k_j) * scale + mask_j: lane l of 16 sums q_d * k_jd for d = l, l + 16, ... in order,
+//             then the 16 lanes by one tree (sum_lanes), for every key and row alike
+//   m = max_j score_j;  p_j = exp(score_j - m)             (exp: one formula per value)
+//   l = sum_j p_j;  acc_d = sum_j p_j * v_jd               (over the keys one after the other, in slot order)
 //   out_d = acc_d / l, rounded to the query's dtype.
-// Masked keys (mask -1e9) give p_j = 0 exactly, so a tree's interleaved masked slots and the masked
-// tail after the last key read add nothing, and the row's visible keys are summed in the same order
-// as plain decoding sums them (context, then the path's nodes by depth). All in float32, products and
-// sums rounded separately (built with -ffp-contract=off): vector code and scalar code agree bit for bit.
+// Masked keys (mask -1e9) give p_j = 0 exactly, which adds nothing (the sums never hold -0), so a tree's
+// interleaved masked slots and the masked tail past the last key read leave a row's sums as plain
+// decoding's: the row's visible keys are summed in the same order (context, then the path's nodes by
+// depth). float32 throughout; multiply-adds of whole vectors are fused where the CPU has FMA, and every
+// value goes through the same instructions wherever it sits, so vector code and scalar code agree.
+// Rows are computed four at a time where there are four (sharing each load of a key or value row),
+// the arithmetic of each row being the one-row arithmetic.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -36,6 +39,7 @@
 namespace {
 
 constexpr int64_t KEYS = 16;  // keys per block: the lanes of one score vector (a whole line of fp32)
+constexpr int64_t DCHUNK = 64;  // output values of one row kept in registers while the keys go by
 constexpr int64_t ROWS_PER_TASK = 16;  // query rows of one kv head per task of the thread pool
 
 // exp(x) in place for x <= 0 (scores minus their maximum), float32: x = n ln2 + r, |r| <= ln2 / 2,
@@ -64,18 +68,21 @@ inline void exp_nonpositive(float* x, int64_t n) {
 template <typename T>
 inline float to_float(T v) { return static_cast<float>(v); }
 
-// Keys j0 .. j0 + nj of one head, transposed to kt[d * KEYS + j] in float (zeros past nj).
+// n values to float32: bf16 by its bits (a shift the compiler vectorises; c10's conversion does not
+// vectorise), others by their own conversion
 template <typename T>
-inline void transpose_keys(const T* __restrict k, int64_t nj, int64_t D, float* __restrict kt) {
-  for (int64_t j = 0; j < nj; ++j)
-    for (int64_t d = 0; d < D; ++d) kt[d * KEYS + j] = to_float(k[j * D + d]);
-  for (int64_t j = nj; j < KEYS; ++j)
-    for (int64_t d = 0; d < D; ++d) kt[d * KEYS + j] = 0.0f;
+inline void to_floats(const T* __restrict src, float* __restrict dst, int64_t n) {
+  if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = __builtin_bit_cast(float, static_cast<uint32_t>(src[i].x) << 16);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+  }
 }
 
 // Sixteen float32 lanes (GCC's and Clang's vector extension: one AVX-512 register, two AVX2 ones, four
 // NEON ones). Each lane is its own value: +, * act lane by lane, rounded as scalar code rounds.
 typedef float Lanes __attribute__((vector_size(KEYS * sizeof(float))));
+typedef int32_t LaneIndex __attribute__((vector_size(KEYS * sizeof(int32_t))));
 
 inline Lanes load_lanes(const float* p) {
   Lanes v;
@@ -83,16 +90,78 @@ inline Lanes load_lanes(const float* p) {
   return v;
 }
 
-// R rows' scores against one transposed block of keys: s[r][j] = sum over d, in order, of q[r][d] * k[j][d].
+// Multiply-adds of whole Lanes only, contracted to fused multiply-adds where the CPU has them: every lane
+// of every call goes through the same instruction, so a value does not depend on where it sits.
+#define SPECC_LANES_FMA __attribute__((optimize("fp-contract=fast")))
+
+// Sixteen vectors -> one whose lane j is the sum of p[j]'s lanes, each by the same tree: lane l plus
+// lane l + 8, then + 4, + 2, + 1 (at::vec's order). Which lane a key lands in does not change its sum.
+inline Lanes sum_lanes(const Lanes* p) {
+  const LaneIndex lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const LaneIndex lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const LaneIndex lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const LaneIndex lo1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  Lanes a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) a[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], lo8) + __builtin_shuffle(p[2 * i], p[2 * i + 1], lo8 + 8);
+  for (int i = 0; i < 4; ++i) b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo4) + __builtin_shuffle(a[2 * i], a[2 * i + 1], lo4 + 4);
+  for (int i = 0; i < 2; ++i) c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], lo2) + __builtin_shuffle(b[2 * i], b[2 * i + 1], lo2 + 2);
+  return __builtin_shuffle(c[0], c[1], lo1) + __builtin_shuffle(c[0], c[1], lo1 + 1);
+}
+
+// R rows' scores against a block of KEYS keys (rows of Dp floats, zeros past D): s[r][j] = the tree of
+// sum_lanes over lane l's sum, in order over c, of q[r][c + l] * k[j][c + l]. The R rows share each load
+// of a key; each row's arithmetic is the one-row arithmetic.
 template <int R>
-inline void score_block(const float* __restrict q, int64_t D, const float* __restrict kt, float* __restrict s) {
-  Lanes acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = Lanes{} ;
-  for (int64_t d = 0; d < D; ++d) {
-    const Lanes kd = load_lanes(kt + d * KEYS);
-    for (int r = 0; r < R; ++r) acc[r] = acc[r] + q[r * D + d] * kd;
+SPECC_LANES_FMA inline void score_block(const float* __restrict q, int64_t Dp, const float* __restrict kb, int64_t nj,
+                                        float* __restrict s, int64_t s_stride) {
+  Lanes part[R][KEYS];
+  for (int64_t j = 0; j < KEYS; ++j) {
+    Lanes acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = Lanes{};
+    if (j < nj)
+      for (int64_t c = 0; c < Dp; c += KEYS) {
+        const Lanes kc = load_lanes(kb + j * Dp + c);
+        for (int r = 0; r < R; ++r) acc[r] = acc[r] + load_lanes(q + r * Dp + c) * kc;
+      }
+    for (int r = 0; r < R; ++r) part[r][j] = acc[r];
   }
-  for (int r = 0; r < R; ++r) std::memcpy(s + r * KEYS, &acc[r], sizeof(Lanes));
+  for (int r = 0; r < R; ++r) {
+    const Lanes sum = sum_lanes(part[r]);
+    std::memcpy(s + r * s_stride, &sum, sizeof(sum));
+  }
+}
+
+// For R rows at once (their weights p[r][0 .. n), `width` apart): y[r][0 .. DCHUNK) = the sum over keys j
+// in slot order of p[r][j] * v[j][0 .. DCHUNK), and l[r] = the sum of p[r][j] in slot order. A key with
+// p[r][j] = 0 adds exactly nothing to row r (the sums never hold -0), so keys masked for every row are
+// skipped and a key masked for some rows only is added to all: a row's bits do not depend on its
+// neighbours. The R rows share each load of a value row and keep 4R independent sums in flight.
+template <int R>
+SPECC_LANES_FMA inline void weigh_values(const float* __restrict p, int64_t width, int64_t n,
+                                         const float* __restrict v, int64_t Dv, float* __restrict y,
+                                         float* __restrict l) {
+  Lanes acc[R][DCHUNK / KEYS];
+  float sum[R];
+  for (int r = 0; r < R; ++r) {
+    sum[r] = 0.0f;
+    for (auto& a : acc[r]) a = Lanes{};
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    bool any = false;
+    for (int r = 0; r < R; ++r) any |= p[r * width + j] != 0.0f;
+    if (!any) continue;
+    Lanes vj[DCHUNK / KEYS];
+    for (int64_t c = 0; c < DCHUNK / KEYS; ++c) vj[c] = load_lanes(v + j * Dv + c * KEYS);
+    for (int r = 0; r < R; ++r) {
+      const float pj = p[r * width + j];
+      sum[r] = sum[r] + pj;
+      for (int64_t c = 0; c < DCHUNK / KEYS; ++c) acc[r][c] = acc[r][c] + pj * vj[c];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    std::memcpy(y + r * DCHUNK, acc[r], sizeof(acc[r]));
+    l[r] = sum[r];
+  }
 }
 
 // The largest of x[0 .. n) (n a multiple of KEYS); a maximum is exact in any order, so lanes may split it.
@@ -106,69 +175,94 @@ inline float row_max(const float* __restrict x, int64_t n) {
   return top;
 }
 
-constexpr int64_t DCHUNK = 64;  // output values of one row kept in registers while the keys go by
+
+// Per-thread scratch that grows to the largest call and stays: a decode step calls this once per layer.
+inline float* scratch(std::vector<float>& buf, size_t n) {
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
 
 template <typename T>
 void attend(const T* q, const T* k, const T* v, const T* mask, T* out, int64_t KV, int64_t M, int64_t S, int64_t D,
             int64_t n, float scale, int64_t mask_rows, int64_t mask_cols) {
   const int64_t groups = (M + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
   const int64_t blocks = (n + KEYS - 1) / KEYS, width = blocks * KEYS;
-  const int64_t Dp = (D + DCHUNK - 1) / DCHUNK * DCHUNK;  // value rows padded with zeros to whole chunks
+  const int64_t Dk = (D + KEYS - 1) / KEYS * KEYS;        // query and key rows padded with zeros to whole vectors
+  const int64_t Dv = (D + DCHUNK - 1) / DCHUNK * DCHUNK;  // value rows padded to whole chunks
+  // float32 rows already whole are read in place; others are converted (and padded) once per call
+  constexpr bool is_float = std::is_same<T, float>::value;
+  const bool keys_in_place = is_float && Dk == D, values_in_place = is_float && Dv == D;
+  // the calling thread's scratch (a thread_local named inside the pool's lambda would be each worker's own)
+  thread_local std::vector<float> key_buf, value_buf;
+  float* key_f = keys_in_place ? nullptr : scratch(key_buf, KV * n * Dk);
+  float* value_f = values_in_place ? nullptr : scratch(value_buf, KV * n * Dv);
+  const float* keys = keys_in_place ? reinterpret_cast<const float*>(k) : key_f;
+  const float* values = values_in_place ? reinterpret_cast<const float*>(v) : value_f;
+  if (!keys_in_place || !values_in_place)
+    at::parallel_for(0, KV, 1, [&](int64_t h0, int64_t h1) {
+      for (int64_t h = h0; h < h1; ++h)
+        for (int64_t j = 0; j < n; ++j) {
+          const T* kj = k + (h * S + j) * D;
+          const T* vj = v + (h * S + j) * D;
+          if (!keys_in_place) {
+            float* kf = key_f + (h * n + j) * Dk;
+            to_floats(kj, kf, D);
+            std::fill(kf + D, kf + Dk, 0.0f);
+          }
+          if (!values_in_place) {
+            float* vf = value_f + (h * n + j) * Dv;
+            to_floats(vj, vf, D);
+            std::fill(vf + D, vf + Dv, 0.0f);
+          }
+        }
+    });
+  // in place, a head's rows are S apart; converted, n apart
+  const int64_t key_head = keys_in_place ? S * D : n * Dk, value_head = values_in_place ? S * D : n * Dv;
   at::parallel_for(0, KV * groups, 1, [&](int64_t t0, int64_t t1) {
-    // float32 values whose rows are whole chunks are read in place; others are converted (and padded) once per task
-    constexpr bool in_place_ok = std::is_same<T, float>::value;
-    const bool in_place = in_place_ok && Dp == D;
-    std::vector<float> kt(D * KEYS), qf(ROWS_PER_TASK * D), sc(ROWS_PER_TASK * width), vf(in_place ? 0 : n * Dp, 0.0f),
-        s(4 * KEYS);
+    thread_local std::vector<float> q_buf, score_buf;
+    float* qf = scratch(q_buf, ROWS_PER_TASK * Dk);
+    float* sc = scratch(score_buf, ROWS_PER_TASK * width);
     for (int64_t task = t0; task < t1; ++task) {
       const int64_t h = task / groups, r0 = (task % groups) * ROWS_PER_TASK;
       const int64_t rows = std::min(ROWS_PER_TASK, M - r0);
-      const T* kh = k + h * S * D;
-      const T* vh = v + h * S * D;
+      const float* krows = keys + h * key_head;
+      const float* vrows = values + h * value_head;
       for (int64_t r = 0; r < rows; ++r)
-        for (int64_t d = 0; d < D; ++d) qf[r * D + d] = to_float(q[(h * M + r0 + r) * D + d]);
+        for (int64_t d = 0; d < Dk; ++d) qf[r * Dk + d] = d < D ? to_float(q[(h * M + r0 + r) * D + d]) : 0.0f;
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t j0 = b * KEYS, nj = std::min(KEYS, n - j0);
-        transpose_keys(kh + j0 * D, nj, D, kt.data());
         for (int64_t r = 0; r < rows;) {
-          const int64_t R = rows - r >= 4 ? 4 : 1;  // four rows share each load of the keys
-          if (R == 4) score_block<4>(&qf[r * D], D, kt.data(), s.data());
-          else score_block<1>(&qf[r * D], D, kt.data(), s.data());
-          for (int64_t i = 0; i < R; ++i, ++r) {
-            // the mask as stored: [mask_rows, mask_cols], a dimension of size 1 broadcast
-            const T* mr = mask + (mask_rows > 1 ? (r0 + r) * mask_cols : 0);
-            float* sr = &sc[r * width + j0];
-            for (int64_t j = 0; j < nj; ++j) sr[j] = s[i * KEYS + j] * scale + to_float(mr[mask_cols > 1 ? j0 + j : 0]);
-            for (int64_t j = nj; j < KEYS; ++j) sr[j] = -std::numeric_limits<float>::infinity();
+          if (rows - r >= 4) {
+            score_block<4>(qf + r * Dk, Dk, krows + j0 * Dk, nj, sc + r * width + j0, width);
+            r += 4;
+          } else {
+            score_block<1>(qf + r * Dk, Dk, krows + j0 * Dk, nj, sc + r * width + j0, width);
+            r += 1;
           }
         }
       }
-      const float* vrows = vf.data();
-      if (in_place) vrows = reinterpret_cast<const float*>(vh);
-      else
-        for (int64_t j = 0; j < n; ++j)
-          for (int64_t d = 0; d < D; ++d) vf[j * Dp + d] = to_float(vh[j * D + d]);
       for (int64_t r = 0; r < rows; ++r) {
-        float* sr = &sc[r * width];
+        float* sr = sc + r * width;
+        // the mask as stored: [mask_rows, mask_cols], a dimension of size 1 broadcast
+        const T* mr = mask + (mask_rows > 1 ? (r0 + r) * mask_cols : 0);
+        for (int64_t j = 0; j < n; ++j) sr[j] = sr[j] * scale + to_float(mr[mask_cols > 1 ? j : 0]);
+        for (int64_t j = n; j < width; ++j) sr[j] = -std::numeric_limits<float>::infinity();
         const float m = row_max(sr, width);
         for (int64_t j = 0; j < width; ++j) sr[j] = sr[j] - m;
         exp_nonpositive(sr, width);
-        float l = 0.0f;  // in slot order; a masked key's 0 adds nothing
-        for (int64_t j = 0; j < n; ++j) l = l + sr[j];
-        const int64_t o = (h * M + r0 + r) * D;
+      }
+      for (int64_t r = 0; r < rows;) {
+        const int64_t R = rows - r >= 4 ? 4 : 1;
         for (int64_t d0 = 0; d0 < D; d0 += DCHUNK) {
-          Lanes acc[DCHUNK / KEYS];
-          for (auto& a : acc) a = Lanes{};
-          for (int64_t j = 0; j < n; ++j) {  // in slot order, skipping the keys masked for this row
-            const float p = sr[j];
-            if (p == 0.0f) continue;
-            const float* vj = vrows + j * Dp + d0;
-            for (int64_t c = 0; c < DCHUNK / KEYS; ++c) acc[c] = acc[c] + p * load_lanes(vj + c * KEYS);
+          float y[4 * DCHUNK], l[4];
+          if (R == 4) weigh_values<4>(sc + r * width, width, n, vrows + d0, values_in_place ? D : Dv, y, l);
+          else weigh_values<1>(sc + r * width, width, n, vrows + d0, values_in_place ? D : Dv, y, l);
+          for (int64_t i = 0; i < R; ++i) {
+            const int64_t o = (h * M + r0 + r + i) * D;
+            for (int64_t d = 0; d < std::min(DCHUNK, D - d0); ++d) out[o + d0 + d] = static_cast<T>(y[i * DCHUNK + d] / l[i]);
           }
-          float y[DCHUNK];
-          std::memcpy(y, acc, sizeof(y));
-          for (int64_t d = 0; d < std::min(DCHUNK, D - d0); ++d) out[o + d0 + d] = static_cast<T>(y[d] / l);
         }
+        r += R;
       }
     }
   });
