@@ -744,12 +744,16 @@ def test_gguf_cpu_product_matches_the_weights(fmt):
     raw, want = gguf_weight(fmt, N=37, K=96, seed=7)
     qs, d, m = split_blocks(raw, fmt)
     code = FORMATS.index(fmt)
+    x16 = torch.randn(1, 16, 96, generator=gen(16))
+    all16 = torch.ops.specc_cpu.gguf_matvec(x16, qs, d, m, code)
     for rows in (1, 2, 3, 4, 5, 7, 16):
         x = torch.randn(1, rows, 96, generator=gen(rows))
         out = torch.ops.specc_cpu.gguf_matvec(x, qs, d, m, code)
         assert out.shape == (1, rows, 37)
         torch.testing.assert_close(out.double(), x.double() @ want.double().T, atol=2e-5, rtol=1e-6)
         assert torch.equal(ops.gguf_linear(x, qs, d, m, fmt), out)  # the op's CPU body calls it
+        # a row's bits do not depend on the rows beside it (a verify row = the plain step's)
+        assert torch.equal(torch.ops.specc_cpu.gguf_matvec(x16[:, :rows].contiguous(), qs, d, m, code), all16[:, :rows])
     with pytest.raises(RuntimeError, match="inputs"):
         torch.ops.specc_cpu.gguf_matvec(torch.randn(2, 64), qs, d, m, code)
 
