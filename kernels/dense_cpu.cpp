@@ -18,12 +18,13 @@
 //
 // Every output is summed in the order of Inductor's reduction loop over the same weight (the `matvec`
 // pass's other form, rows_linear_reference): lane l of one vector (16 on AVX-512, 8 on AVX2) adds
-// w[k] * x[k] for k = l, l + LANES, ... as a product rounded, then a sum rounded (no fused multiply-add:
-// Inductor compiles with -ffp-contract=off), a last partial vector adds to its own lanes only, and the
-// lanes are summed by at::vec's tree (i + i^8, i + i^4, i + i^2, i + i^1), then added to 0. So a row's
-// bits do not depend on how many rows share the call, nor on which of the two products computes it
-// (tests/test_products.py compares them bit for bit): a T-row verify gives each row what the 1-row
-// plain step gives (`lanes()` tells rows_linear.py the width, checked against Inductor's).
+// w[k] * x[k] for k = l, l + LANES, ... by a fused multiply-add (Inductor's `acc + w * x` contracts to
+// one: specc compiles its graphs with floating-point contraction on, backends.INDUCTOR_CONFIGS), a last
+// partial vector adds to its own lanes only, and the lanes are summed by at::vec's tree (i + i^8,
+// i + i^4, i + i^2, i + i^1), then added to 0. So a row's bits do not depend on how many rows share the
+// call, nor on which of the two products computes it (tests/test_row_invariance.py compares them bit
+// for bit): a T-row verify gives each row what the 1-row plain step gives (dense_lanes() tells
+// rows_linear.py the width, checked against Inductor's).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -54,11 +55,11 @@ inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec vload(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-// c + a * b, rounded twice (Inductor's `acc + w * x`)
-inline Vec vmuladd(Vec a, Vec b, Vec c) { return _mm512_add_ps(c, _mm512_mul_ps(a, b)); }
-// the same, in the first n lanes only (Inductor's sum_masked_reduce of a last partial vector)
+// c + a * b, rounded once (Inductor's `acc + w * x`, contracted)
+inline Vec vmuladd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+// the same in the first n lanes only, c in the others (Inductor's sum_masked_reduce of a last partial vector)
 inline Vec vmuladd_first(Vec a, Vec b, Vec c, int64_t n) {
-  return _mm512_mask_add_ps(c, static_cast<__mmask16>((1u << n) - 1), c, _mm512_mul_ps(a, b));
+  return _mm512_mask3_fmadd_ps(a, b, c, static_cast<__mmask16>((1u << n) - 1));
 }
 // at::vec::vec_reduce_all's tree for 16 lanes
 inline float vsum(Vec v) {
@@ -78,11 +79,11 @@ inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vload(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-inline Vec vmuladd(Vec a, Vec b, Vec c) { return _mm256_add_ps(c, _mm256_mul_ps(a, b)); }
+inline Vec vmuladd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec vmuladd_first(Vec a, Vec b, Vec c, int64_t n) {
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
-  return _mm256_blendv_ps(c, _mm256_add_ps(c, _mm256_mul_ps(a, b)), keep);
+  return _mm256_blendv_ps(c, _mm256_fmadd_ps(a, b, c), keep);
 }
 // at::vec::vec_reduce_all's tree for 8 lanes
 inline float vsum(Vec v) {

@@ -46,7 +46,10 @@ def test_cpp_product_sums_in_inductors_order(K, wdtype):
     w = torch.randn(72, K, generator=gen(K))
     w = (w * 40).round().clamp(-127, 127).to(torch.int8) if wdtype == torch.int8 else w
     x = torch.randn(1, 16, K, generator=gen(1))
-    compiled = torch.compile(lambda r: rows_linear_reference(r, w), fullgraph=True, dynamic=False)(x)
+    from specc.backends import INDUCTOR_CONFIGS  # the engine's Inductor settings (contraction on)
+
+    compiled = torch.compile(lambda r: rows_linear_reference(r, w), fullgraph=True, dynamic=False,
+                             options=dict(INDUCTOR_CONFIGS))(x)
     for rows in (1, 2, 3, 5, 8, 9, 16):
         got = torch.ops.specc_cpu.dense_matvec(x[:, :rows].contiguous(), w)
         assert torch.equal(bits(got), bits(compiled[:, :rows])), rows
