@@ -24,7 +24,7 @@ from torch.fx import Interpreter
 
 from .backends import EagerGraph, InductorGraph, compile_inductor, lowering_passes, on_device
 from .pipeline import example_inputs
-from .plans import GraphPlan, decode_plans
+from .plans import GraphPlan, build_program, decode_plans
 from .target_module import TargetModule, module_state
 from .tree import Tree, chain
 
@@ -60,11 +60,9 @@ class NodeDivergence:
 
 def verify_program(target: TargetModule, tree: Tree, cache_len: int, backend: str, device: str = "cpu"):
     """The engine's verify program for `tree` before acceptance: (tokens [T], base_len []) -> (logits
-    [1, T, V], *taps), with the passes the engine's step graph gets (decode_plans' first stage) and
-    the backend's lowering passes (attend_prefix for inductor on CPU), on the lifted program."""
+    [1, T, V], *taps), with the passes the engine's step graph gets (decode_plans' first stage), then the
+    backend's lowering passes (attend_prefix for inductor on CPU)."""
     base: GraphPlan = decode_plans("rows", "target", tree, cache_len, backend, ("greedy",))[0].base
-    from .plans import build_program
-
     ep = build_program(base, {"target": target}, {}, tree)
     for _, fn in lowering_passes(backend, device):
         ep = fn(ep)
