@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from specc import benchfile
+from specc.errors import SpeccError
 from specc.kernels import cpu_kernels
+from specc.models import parse_dtype
 from specc.passes.attend_prefix import keys_read
 
 
@@ -37,6 +39,16 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--write", metavar="BENCHMARKS.md")
     a = ap.parse_args()
+    try:
+        dtypes = [parse_dtype(name) for name in a.dtypes.split(",")]
+        contexts, Ts = [int(c) for c in a.contexts.split(",")], [int(t) for t in a.Ts.split(",")]
+    except (SpeccError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if min(contexts) < 1 or min(Ts) < 1 or max(contexts) + max(Ts) > 2048 or a.calls < 1 or a.rounds < 1:
+        print("error: --contexts and --Ts must be positive with context + T <= 2048, --calls and --rounds >= 1.",
+              file=sys.stderr)
+        return 2
     if not cpu_kernels.load_cpu_kernel():
         print(f"error: specc's C++ CPU kernels could not be built here ({cpu_kernels.load_error()}).", file=sys.stderr)
         return 2
@@ -45,12 +57,12 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     op = torch.ops.specc_cpu.rows_attention
     calls = {}
-    for name in a.dtypes.split(","):
-        dtype = getattr(torch, name)
+    for dtype in dtypes:
+        name = str(dtype).removeprefix("torch.")
         k = torch.randn(1, KV, S, D, generator=g).to(dtype)
         v = torch.randn(1, KV, S, D, generator=g).to(dtype)
-        for context in map(int, a.contexts.split(",")):
-            for T in map(int, a.Ts.split(",")):
+        for context in contexts:
+            for T in Ts:
                 n = context + T  # kv_len: the tree's own slots are the last ones written
                 q = torch.randn(1, KV, G * T, D, generator=g).to(dtype)
                 rows = torch.arange(T).view(T, 1) + context
