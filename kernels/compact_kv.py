@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .triton_support import next_pow2, require_triton, tl, traced, triton, wrap_triton
+from .triton_support import launch, next_pow2, require_triton, tl, traced, triton
 
 
 def _check(cache: Tensor, src_slots: Tensor, dst_start: Tensor) -> None:
@@ -68,8 +68,8 @@ def compact_kv_triton(cache: Tensor, src_slots: Tensor, dst_start: Tensor, block
     src_slots = src_slots.to(cache.device).contiguous()
     dst_start = dst_start.to(cache.device)
     grid = (KV, triton.cdiv(D, block_d))
-    wrap_triton(_compact_kv_kernel)[grid](cache, src_slots, dst_start, n, D, cache.stride(1), cache.stride(2),
-                                          cache.stride(3), BLOCK_D=block_d)
+    launch(_compact_kv_kernel, grid, cache, src_slots, dst_start, n, D, cache.stride(1), cache.stride(2),
+           cache.stride(3), BLOCK_D=block_d)
 
 
 @torch.library.triton_op("specc::compact_kv_", mutates_args=("cache",))

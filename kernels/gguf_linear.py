@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .cpu_kernels import load_cpu_kernel
-from .triton_support import require_triton, tl, triton, wrap_triton
+from .triton_support import launch, require_triton, tl, triton
 
 FORMATS = ("Q8_0", "Q4_0", "Q4_1")
 BLOCK = 32
@@ -134,8 +134,8 @@ def gguf_linear_triton(x: Tensor, qs: Tensor, d: Tensor, m: Tensor, fmt: str, bl
     rows = x.reshape(-1, K).to(torch.float32).contiguous()
     out = torch.empty(rows.shape[0], N, dtype=torch.float32, device=x.device)
     grid = (rows.shape[0], triton.cdiv(N, block_n))
-    wrap_triton(_gguf_linear_kernel)[grid](rows, qs.contiguous(), d.contiguous(), m.contiguous(), out, N, K, nb,
-                                           FMT=FORMATS.index(fmt), BLOCK_N=block_n)
+    launch(_gguf_linear_kernel, grid, rows, qs.contiguous(), d.contiguous(), m.contiguous(), out, N, K, nb,
+           FMT=FORMATS.index(fmt), BLOCK_N=block_n)
     return out.reshape(*shape, N)
 
 

@@ -24,7 +24,7 @@ import torch._inductor.inductor_prims  # noqa: F401 -- registers prims.inductor_
 from torch import Tensor
 
 from .cpu_kernels import load_cpu_kernel
-from .triton_support import require_triton, tl, traced, triton, wrap_triton
+from .triton_support import launch, require_triton, tl, traced, triton
 
 # Whole step graphs of SmolLM2 on the AVX-512 EPYC, 2026-12-04 (BENCHMARKS.md "Cost curve of the step
 # graphs, 2026-12-04"): the C++ product won at 1 row (plain step 12.9 ms, 16.2 with the reduction) and
@@ -115,28 +115,48 @@ def rows_linear_each(x: Tensor, w: Tensor) -> Tensor:
 
 if triton is not None:
     @triton.jit
-    def _rows_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sx_m, sw_n, so_m, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
-        """BLOCK_N outputs of every row: for each row in turn, sum over K in blocks of BLOCK_K (a block's
-        products summed by tl.sum over one [BLOCK_N, BLOCK_K] tile, the blocks one after the other),
-        float32. Every row runs the same code on the same tile shapes, so its bits do not depend on
-        the number of rows; the weight tile of a block is read from memory by the first row and from
-        cache by the others."""
+    def _rows_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sx_m, sw_n, so_m, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                            DOT_F32: tl.constexpr):
+        """A [BLOCK_M, BLOCK_N] tile of x @ w.T: the blocks of K one after the other, each one tl.dot
+        accumulating into the tile (the tensor cores for 16-bit inputs, IEEE fp32 products for float32).
+        Every program has the same tile shapes whatever M is, and a row's outputs depend only on that
+        row and the weight, so a row gets the same bits at any row count; the weight tile is read once
+        for all the rows of a block."""
+        rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        r_ok = rows < M
         n_ok = cols < N
-        for r in range(M):
-            acc = tl.zeros([BLOCK_N], tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_ok = ks < K
-                w = tl.load(w_ptr + cols[:, None] * sw_n + ks[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                            other=0.0).to(tl.float32)
-                x = tl.load(x_ptr + r * sx_m + ks, mask=k_ok, other=0.0).to(tl.float32)
-                acc += tl.sum(w * x[None, :], 1)
-            tl.store(out_ptr + r * so_m + cols, acc, mask=n_ok)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            x = tl.load(x_ptr + rows[:, None] * sx_m + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + cols[:, None] * sw_n + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            w = w.to(x.dtype)  # int8 codes are exact in every float type
+            if DOT_F32:
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        tl.store(out_ptr + rows[:, None] * so_m + cols[None, :], acc, mask=r_ok[:, None] & n_ok[None, :])
 
 
-def rows_linear_triton(x: Tensor, w: Tensor, block_n: int = 32, block_k: int = 128) -> Tensor:
+# Rows per program, the same at every row count (the tile shape decides the MMA instruction and with
+# it each output's order of sums: a block sized by the row count would switch between instruction
+# shapes). 16 is the tensor cores' smallest M; a decode step has few rows.
+PRODUCT_ROWS = 16
+
+
+def product_blocks(N: int, K: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of the product: neither depends on the row count. A decode step's product is
+    a read of the weight, so BLOCK_N is small enough that even a 576-wide output spreads over dozens
+    of programs; float32 (no tensor cores: each product an FMA) takes a shorter K block to keep its
+    tiles in registers."""
+    block_n = 32 if N >= 2048 else 16
+    return block_n, 64 if dtype == torch.float32 else 128
+
+
+def rows_linear_triton(x: Tensor, w: Tensor) -> Tensor:
     """x @ w.T on CUDA (or on CPU tensors under TRITON_INTERPRET=1), each row with a fixed order of its
     sums (_rows_linear_kernel): the products of a decode step without a library GEMM, whose kernel and
     split of the sums change with the number of rows. Summed in float32, rounded once to x's dtype.
@@ -148,9 +168,13 @@ def rows_linear_triton(x: Tensor, w: Tensor, block_n: int = 32, block_k: int = 1
         rows = rows.contiguous()
     wc = w if w.stride(-1) == 1 else w.contiguous()
     out = torch.empty((rows.shape[0], N), dtype=torch.float32, device=x.device)
-    wrap_triton(_rows_linear_kernel)[(triton.cdiv(N, block_n),)](
-        rows, wc, out, rows.shape[0], N, K, rows.stride(0), wc.stride(0), out.stride(0), BLOCK_N=block_n,
-        BLOCK_K=block_k)
+    # Triton's interpreter multiplies bf16 bit patterns in tl.dot (see tree_attention.py): fp32 there.
+    dot_f32 = x.dtype == torch.bfloat16 and x.device.type == "cpu"
+    precision = "ieee" if x.dtype == torch.float32 or dot_f32 else "tf32"  # tf32 is ignored for 16-bit inputs
+    block_n, block_k = product_blocks(N, K, x.dtype)
+    launch(_rows_linear_kernel, (triton.cdiv(N, block_n), triton.cdiv(rows.shape[0], PRODUCT_ROWS)),
+           rows, wc, out, rows.shape[0], N, K, rows.stride(0), wc.stride(0), out.stride(0), BLOCK_M=PRODUCT_ROWS,
+           BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, DOT_F32=dot_f32)
     return out.to(x.dtype).view(shape + [N])
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .triton_support import next_pow2, require_triton, tl, triton, wrap_triton
+from .triton_support import launch, next_pow2, require_triton, tl, triton
 
 
 def _check(scores: Tensor, tokens: Tensor, children: Tensor, depth: int, uniforms: Tensor | None = None) -> None:
@@ -206,133 +206,264 @@ def accept_sampled_reference(probs: Tensor, draft_probs: Tensor, tokens: Tensor,
 
 if triton is not None:
     @triton.jit
-    def _row_argmax_kernel(x_ptr, out_ptr, V, stride, BLOCK_V: tl.constexpr):
+    def _argmax_partial_kernel(x_ptr, best_ptr, index_ptr, V, stride, CHUNK, SPLITS: tl.constexpr,
+                               BLOCK_V: tl.constexpr):
+        """One (row, split of the vocabulary): the split's maximum and the first index holding it."""
         r = tl.program_id(0)
+        split = tl.program_id(1)
         lanes = tl.arange(0, BLOCK_V)
-        # Each lane keeps its first maximum (strict >); the final pick takes the lowest index among
-        # the lanes holding the row maximum, so ties go to the first index, as torch.argmax does.
-        # Starting from -inf at index `lane` makes an all -inf row give index 0.
+        lo = split * CHUNK
+        hi = tl.minimum(V, lo + CHUNK)
+        # Each lane keeps its first maximum (strict >); the pick takes the lowest index among the lanes
+        # holding the maximum, so ties go to the first index, as torch.argmax does. Starting from -inf
+        # at the split's first indices makes an all -inf row give index 0 in the end.
         best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        best_i = lanes.to(tl.int64)
-        for start in range(0, V, BLOCK_V):
+        best_i = (lo + lanes).to(tl.int64)
+        for start in range(lo, hi, BLOCK_V):
             cols = start + lanes
-            x = tl.load(x_ptr + r * stride + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            x = tl.load(x_ptr + r * stride + cols, mask=cols < hi, other=float("-inf")).to(tl.float32)
             take = x > best
             best = tl.where(take, x, best)
             best_i = tl.where(take, cols.to(tl.int64), best_i)
         top = tl.max(best, 0)
-        tl.store(out_ptr + r, tl.min(tl.where(best == top, best_i, V), 0))
+        tl.store(best_ptr + r * SPLITS + split, top)
+        tl.store(index_ptr + r * SPLITS + split, tl.min(tl.where(best == top, best_i, V), 0))
 
     @triton.jit
-    def _row_sum_kernel(x_ptr, out_ptr, V, stride, BLOCK_V: tl.constexpr):
+    def _argmax_combine_kernel(best_ptr, index_ptr, out_ptr, V, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+        """One row: the first index of the largest split maximum (splits are in index order)."""
         r = tl.program_id(0)
-        lanes = tl.arange(0, BLOCK_V)
-        acc = tl.zeros([BLOCK_V], tl.float32)
-        for start in range(0, V, BLOCK_V):
-            cols = start + lanes
-            acc += tl.load(x_ptr + r * stride + cols, mask=cols < V, other=0.0).to(tl.float32)
-        tl.store(out_ptr + r, tl.sum(acc, 0))
+        s = tl.arange(0, BLOCK_S)
+        ok = s < SPLITS
+        best = tl.load(best_ptr + r * SPLITS + s, mask=ok, other=float("-inf"))
+        index = tl.load(index_ptr + r * SPLITS + s, mask=ok, other=V)
+        top = tl.max(best, 0)
+        tl.store(out_ptr + r, tl.min(tl.where(ok & (best == top), index, V), 0))
 
     @triton.jit
-    def _greedy_walk_kernel(target_ptr, tokens_ptr, children_ptr, n_ptr, path_ptr, out_ptr, depth, W):
+    def _sum_partial_kernel(x_ptr, out_ptr, V, stride, CHUNK, SPLITS: tl.constexpr, BLOCK_V: tl.constexpr):
+        """One (row, split): the split's sum, float32."""
+        r = tl.program_id(0)
+        split = tl.program_id(1)
+        lanes = tl.arange(0, BLOCK_V)
+        lo = split * CHUNK
+        hi = tl.minimum(V, lo + CHUNK)
+        acc = tl.zeros([BLOCK_V], tl.float32)
+        for start in range(lo, hi, BLOCK_V):
+            cols = start + lanes
+            acc += tl.load(x_ptr + r * stride + cols, mask=cols < hi, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r * SPLITS + split, tl.sum(acc, 0))
+
+    @triton.jit
+    def _sum_combine_kernel(part_ptr, out_ptr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+        r = tl.program_id(0)
+        s = tl.arange(0, BLOCK_S)
+        tl.store(out_ptr + r, tl.sum(tl.load(part_ptr + r * SPLITS + s, mask=s < SPLITS, other=0.0), 0))
+
+    @triton.jit
+    def _pick(values, nodes, at):
+        """values[at] for a register vector indexed by `nodes` (0 where `at` is not a node)."""
+        return tl.sum(tl.where(nodes == at, values, 0), 0)
+
+    @triton.jit
+    def _greedy_walk_kernel(target_ptr, tokens_ptr, children_ptr, n_ptr, path_ptr, out_ptr, T, depth, W,
+                            BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
+        """The walk, one program. The tree (T nodes, W children each) is small: every node's first
+        matching child is found at once in registers, and the walk then reads registers only, instead
+        of a chain of dependent loads from memory per level."""
+        nodes = tl.arange(0, BLOCK_T)
+        slots = tl.arange(0, BLOCK_W)
+        node_ok = nodes < T
+        kid = tl.load(children_ptr + nodes[:, None] * W + slots[None, :],
+                      mask=node_ok[:, None] & (slots[None, :] < W), other=-1)
+        kid_token = tl.load(tokens_ptr + tl.maximum(kid, 0), mask=kid >= 0, other=-1)
+        want = tl.load(target_ptr + nodes, mask=node_ok, other=-1)
+        tokens = tl.load(tokens_ptr + nodes, mask=node_ok, other=0)
+        hit = (kid >= 0) & (kid_token == want[:, None])
+        first = tl.min(tl.where(hit, slots[None, :], BLOCK_W), 1)  # the first child in rank order wins
+        found = (first < BLOCK_W).to(tl.int32)
+        nxt = tl.sum(tl.where(slots[None, :] == first[:, None], kid, 0), 1)
         cur = tl.zeros([], tl.int64)
         n = tl.zeros([], tl.int64)
         alive = tl.full([], 1, tl.int1)
         tl.store(path_ptr, cur)
         for d in range(depth):
-            want = tl.load(target_ptr + cur)
-            found = tl.full([], 0, tl.int1)
-            nxt = cur
-            for w in range(W):
-                c = tl.load(children_ptr + cur * W + w)
-                tok = tl.load(tokens_ptr + tl.maximum(c, 0))
-                hit = (c >= 0) & (tok == want) & ~found  # the first child in rank order wins
-                nxt = tl.where(hit, c, nxt)
-                found = found | hit
-            step = alive & found
-            cur = tl.where(step, nxt, cur)
+            step = alive & (_pick(found, nodes, cur) > 0)
+            cur = tl.where(step, _pick(nxt, nodes, cur).to(tl.int64), cur)
             n += step.to(tl.int64)
             alive = step
             tl.store(path_ptr + d + 1, cur)
-            tl.store(out_ptr + d, tl.load(tokens_ptr + cur), mask=step)
-        bonus = tl.load(target_ptr + cur)
+            tl.store(out_ptr + d, _pick(tokens, nodes, cur), mask=step)
+        bonus = _pick(want, nodes, cur)
         for d in range(depth + 1):
             tl.store(out_ptr + d, bonus, mask=d >= n)  # the bonus, then the bonus repeated
         tl.store(n_ptr, n)
 
     @triton.jit
     def _sample_walk_kernel(probs_ptr, sums_ptr, tokens_ptr, children_ptr, u_ptr, n_ptr, path_ptr, out_ptr,
-                            T, V, stride, depth, W, BLOCK_V: tl.constexpr):
+                            T, stride, depth, W, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
+        """The walk of sampling acceptance, one program, in registers as the greedy walk: each child's
+        probability under its parent (a token repeated among earlier siblings counts 0: while still
+        searching every earlier sibling was rejected and zeroed it) is gathered at once. Leaves the
+        final token to the residual kernels (path[depth] is the node whose residual is drawn from)."""
+        nodes = tl.arange(0, BLOCK_T)
+        slots = tl.arange(0, BLOCK_W)
+        node_ok = nodes < T
+        kid = tl.load(children_ptr + nodes[:, None] * W + slots[None, :],
+                      mask=node_ok[:, None] & (slots[None, :] < W), other=-1)
+        x = tl.load(tokens_ptr + tl.maximum(kid, 0), mask=kid >= 0, other=-1)
+        dup = tl.zeros([BLOCK_T, BLOCK_W], tl.int1)
+        for w2 in range(W):
+            x2 = tl.sum(tl.where(slots[None, :] == w2, x, 0), 1)  # [BLOCK_T]: each node's child w2's token
+            dup = dup | ((slots[None, :] > w2) & (x2[:, None] == x) & (x2[:, None] >= 0))
+        px = tl.load(probs_ptr + nodes[:, None] * stride + tl.maximum(x, 0), mask=(kid >= 0) & ~dup, other=0.0)
+        sums = tl.load(sums_ptr + nodes, mask=node_ok, other=0.0)
+        u = tl.load(u_ptr + nodes, mask=node_ok, other=2.0)
+        tokens = tl.load(tokens_ptr + nodes, mask=node_ok, other=0)
         cur = tl.zeros([], tl.int64)
         n = tl.zeros([], tl.int64)
         searching = tl.full([], 1, tl.int1)
         tl.store(path_ptr, cur)
         for d in range(depth):
-            s = tl.load(sums_ptr + cur)
+            s = _pick(sums, nodes, cur)
+            row = nodes == cur
             accepted = tl.full([], 0, tl.int1)
             nxt = cur
             for w in range(W):
-                c = tl.load(children_ptr + cur * W + w)
-                cc = tl.maximum(c, 0)
-                x = tl.load(tokens_ptr + cc)
-                # While still searching, every earlier valid sibling was rejected and zeroed its token:
-                # a repeated token has probability 0 now (and must not be subtracted twice).
-                dup = tl.full([], 0, tl.int1)
-                for w2 in range(w):
-                    c2 = tl.load(children_ptr + cur * W + w2)
-                    dup = dup | ((c2 >= 0) & (tl.load(tokens_ptr + tl.maximum(c2, 0)) == x))
-                px = tl.where(dup, 0.0, tl.load(probs_ptr + cur * stride + x).to(tl.float32))
-                ratio = tl.math.div_rn(px, tl.where(s > 0, s, 1.0))
+                at = row[:, None] & (slots[None, :] == w)
+                c = tl.sum(tl.sum(tl.where(at, kid, 0), 1), 0).to(tl.int64)
+                p = tl.sum(tl.sum(tl.where(at, px, 0.0), 1), 0)
+                ratio = tl.math.div_rn(p, tl.where(s > 0, s, 1.0))
                 active = searching & (c >= 0) & ~accepted
-                ok = active & (tl.load(u_ptr + cc) < ratio)
-                rej = active & ~ok
-                nxt = tl.where(ok, cc, nxt)
+                ok = active & (_pick(u, nodes, c) < ratio)
+                nxt = tl.where(ok, c, nxt)
                 accepted = accepted | ok
-                s = tl.where(rej, s - px, s)
+                s = tl.where(active & ~ok, s - p, s)
             cur = tl.where(accepted, nxt, cur)
             n += accepted.to(tl.int64)
             searching = accepted
             tl.store(path_ptr + d + 1, cur)
-            tl.store(out_ptr + d, tl.load(tokens_ptr + cur), mask=accepted)
+            tl.store(out_ptr + d, _pick(tokens, nodes, cur), mask=accepted)
+        tl.store(n_ptr, n)
 
-        # The residual is the final node's row with every child's token zeroed: the walk stops at a
-        # node only when all its valid children were rejected (a node at the full depth has none).
+    @triton.jit
+    def _residual_row(probs_ptr, tokens_ptr, children_ptr, cur, cols, V, stride, W):
+        """The residual row's values at `cols`: node cur's probabilities with its children's tokens zeroed
+        (the walk stops at a node only when all its valid children were rejected)."""
+        p = tl.load(probs_ptr + cur * stride + cols, mask=cols < V, other=0.0).to(tl.float32)
+        for w in range(W):
+            c = tl.load(children_ptr + cur * W + w)
+            p = tl.where((c >= 0) & (cols == tl.load(tokens_ptr + tl.maximum(c, 0))), 0.0, p)
+        return p
+
+    @triton.jit
+    def _residual_partial_kernel(probs_ptr, tokens_ptr, children_ptr, path_ptr, part_ptr, last_ptr, V, stride, depth,
+                                 W, CHUNK, BLOCK_V: tl.constexpr):
+        """One split of the vocabulary: the residual's sum there (fp64) and its last index of positive mass."""
+        split = tl.program_id(0)
+        cur = tl.load(path_ptr + depth)
         lanes = tl.arange(0, BLOCK_V)
+        lo = split * CHUNK
         acc = tl.zeros([BLOCK_V], tl.float64)
         last = tl.zeros([BLOCK_V], tl.int64)
-        for start in range(0, V, BLOCK_V):
+        for start in range(lo, tl.minimum(V, lo + CHUNK), BLOCK_V):
             cols = start + lanes
-            p = tl.load(probs_ptr + cur * stride + cols, mask=cols < V, other=0.0).to(tl.float32)
-            for w in range(W):
-                c = tl.load(children_ptr + cur * W + w)
-                p = tl.where((c >= 0) & (cols == tl.load(tokens_ptr + tl.maximum(c, 0))), 0.0, p)
+            p = _residual_row(probs_ptr, tokens_ptr, children_ptr, cur, cols, V, stride, W)
             acc += p.to(tl.float64)
             last = tl.maximum(last, tl.where(p > 0, cols.to(tl.int64), 0))
-        total = tl.sum(acc, 0).to(tl.float32)
-        last_nz = tl.max(last, 0)
+        tl.store(part_ptr + split, tl.sum(acc, 0))
+        tl.store(last_ptr + split, tl.max(last, 0))
+
+    @triton.jit
+    def _residual_cdf_kernel(probs_ptr, tokens_ptr, children_ptr, path_ptr, part_ptr, last_ptr, cdf_ptr, V, stride,
+                             depth, W, CHUNK, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr):
+        """One split: the sum of the normalised residual p / total over the split (fp64), the total
+        being the sum of every split's residual sum, in split order."""
+        split = tl.program_id(0)
+        s = tl.arange(0, BLOCK_S)
+        total = tl.sum(tl.load(part_ptr + s, mask=s < SPLITS, other=0.0), 0).to(tl.float32)
         denom = tl.where(total > 0, total, 1.0)
+        cur = tl.load(path_ptr + depth)
+        lanes = tl.arange(0, BLOCK_V)
+        lo = split * CHUNK
+        acc = tl.zeros([], tl.float64)
+        for start in range(lo, tl.minimum(V, lo + CHUNK), BLOCK_V):
+            p = _residual_row(probs_ptr, tokens_ptr, children_ptr, cur, start + lanes, V, stride, W)
+            acc += tl.sum(tl.math.div_rn(p, denom).to(tl.float64), 0)
+        tl.store(cdf_ptr + split, acc)
+
+    @triton.jit
+    def _residual_draw_kernel(probs_ptr, tokens_ptr, children_ptr, u_ptr, n_ptr, path_ptr, part_ptr, last_ptr,
+                              cdf_ptr, out_ptr, T, V, stride, depth, W, CHUNK, SPLITS: tl.constexpr,
+                              BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr):
+        """The inverse-CDF draw from the residual, one program: the split where the cumulative sum passes
+        u from the splits' sums, then that split's values one block at a time (the first index whose
+        cumulative sum exceeds u, never past the last index of positive mass)."""
+        s = tl.arange(0, BLOCK_S)
+        ok = s < SPLITS
+        total = tl.sum(tl.load(part_ptr + s, mask=ok, other=0.0), 0).to(tl.float32)
+        denom = tl.where(total > 0, total, 1.0)
+        last_nz = tl.max(tl.load(last_ptr + s, mask=ok, other=0), 0)
         u = tl.load(u_ptr + T)
-        carry = tl.zeros([], tl.float64)
+        sums = tl.load(cdf_ptr + s, mask=ok, other=0.0)
+        before = tl.cumsum(sums, 0) - sums  # each split's carry: the sums of the splits before it
+        # the first split whose end passes u, or the one holding the last index of positive mass
+        ends = (before + sums).to(tl.float32)
+        hit = ok & ((ends > u) | ((s + 1) * CHUNK > last_nz))
+        split = tl.min(tl.where(hit, s, SPLITS - 1), 0)
+        carry = tl.sum(tl.where(s == split, before, 0.0), 0)
+        cur = tl.load(path_ptr + depth)
+        lanes = tl.arange(0, BLOCK_V)
+        lo = split * CHUNK
         pick = tl.full([], V, tl.int64)
-        for start in range(0, V, BLOCK_V):
+        for start in range(lo, tl.minimum(V, lo + CHUNK), BLOCK_V):
             cols = start + lanes
-            p = tl.load(probs_ptr + cur * stride + cols, mask=cols < V, other=0.0).to(tl.float32)
-            for w in range(W):
-                c = tl.load(children_ptr + cur * W + w)
-                p = tl.where((c >= 0) & (cols == tl.load(tokens_ptr + tl.maximum(c, 0))), 0.0, p)
-            q = tl.math.div_rn(p, denom).to(tl.float64)
+            q = tl.math.div_rn(_residual_row(probs_ptr, tokens_ptr, children_ptr, cur, cols, V, stride, W),
+                               denom).to(tl.float64)
             cdf = (carry + tl.cumsum(q, 0)).to(tl.float32)
-            hit = ((cdf > u) | (cols >= last_nz)) & (cols < V)
-            pick = tl.minimum(pick, tl.min(tl.where(hit, cols.to(tl.int64), V), 0))
+            take = ((cdf > u) | (cols >= last_nz)) & (cols < V)
+            pick = tl.minimum(pick, tl.min(tl.where(take, cols.to(tl.int64), V), 0))
             carry += tl.sum(q, 0)
+        n = tl.load(n_ptr)
         for d in range(depth + 1):
             tl.store(out_ptr + d, pick, mask=d >= n)
-        tl.store(n_ptr, n)
+
+
+def vocab_splits(V: int, block_v: int) -> tuple[int, int]:
+    """(keys per split, splits) of a pass over a vocabulary row: up to 64 splits of whole blocks, so one
+    row (a plain step has one) spreads over dozens of programs instead of one scanning 150k values."""
+    chunk = max(block_v, next_pow2(triton.cdiv(V, 64)))
+    return chunk, triton.cdiv(V, chunk)
 
 
 def _outputs(depth: int, device):
     return (torch.empty((), dtype=torch.int64, device=device), torch.empty(depth + 1, dtype=torch.int64, device=device),
             torch.empty(depth + 1, dtype=torch.int64, device=device))
+
+
+def row_argmax_triton(x: Tensor, block_v: int = 1024) -> Tensor:
+    """torch.argmax(x, -1) of a [T, V] row block, each row split over the vocabulary (ties: first index)."""
+    T, V = x.shape
+    block_v = min(block_v, next_pow2(V))
+    chunk, splits = vocab_splits(V, block_v)
+    best = torch.empty((T, splits), dtype=torch.float32, device=x.device)
+    index = torch.empty((T, splits), dtype=torch.int64, device=x.device)
+    launch(_argmax_partial_kernel, (T, splits), x, best, index, V, x.stride(0), chunk, SPLITS=splits, BLOCK_V=block_v)
+    out = torch.empty(T, dtype=torch.int64, device=x.device)
+    launch(_argmax_combine_kernel, (T,), best, index, out, V, SPLITS=splits, BLOCK_S=max(2, next_pow2(splits)))
+    return out
+
+
+def row_sum_triton(x: Tensor, block_v: int = 1024) -> Tensor:
+    """x.sum(-1) in float32 of a [T, V] row block, each row split over the vocabulary."""
+    T, V = x.shape
+    block_v = min(block_v, next_pow2(V))
+    chunk, splits = vocab_splits(V, block_v)
+    part = torch.empty((T, splits), dtype=torch.float32, device=x.device)
+    launch(_sum_partial_kernel, (T, splits), x, part, V, x.stride(0), chunk, SPLITS=splits, BLOCK_V=block_v)
+    out = torch.empty(T, dtype=torch.float32, device=x.device)
+    launch(_sum_combine_kernel, (T,), part, out, SPLITS=splits, BLOCK_S=max(2, next_pow2(splits)))
+    return out
 
 
 def accept_greedy_triton(logits: Tensor, tokens: Tensor, children: Tensor, depth: int, block_v: int = 1024):
@@ -343,17 +474,18 @@ def accept_greedy_triton(logits: Tensor, tokens: Tensor, children: Tensor, depth
     logits = logits.contiguous()
     tokens = tokens.to(torch.int64).contiguous()
     children = children.to(torch.int64).contiguous()
-    target = torch.empty(T, dtype=torch.int64, device=logits.device)
-    block_v = min(block_v, next_pow2(V))
-    wrap_triton(_row_argmax_kernel)[(T,)](logits, target, V, logits.stride(0), BLOCK_V=block_v)
+    target = row_argmax_triton(logits, block_v)
     n, path, out = _outputs(depth, logits.device)
-    wrap_triton(_greedy_walk_kernel)[(1,)](target, tokens, children, n, path, out, depth, children.shape[1])
+    W = children.shape[1]
+    launch(_greedy_walk_kernel, (1,), target, tokens, children, n, path, out, T, depth, W,
+           BLOCK_T=max(2, next_pow2(T)), BLOCK_W=max(2, next_pow2(W)))
     return n, path, out
 
 
 def accept_sample_triton(probs: Tensor, tokens: Tensor, children: Tensor, depth: int, uniforms: Tensor,
                          block_v: int = 1024):
-    """Launch the Triton kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+    """Launch the Triton kernels (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1): the row sums,
+    the walk, then the residual draw over splits of the vocabulary (sums, normalised sums, the draw)."""
     require_triton("accept_sample_triton")
     _check(probs, tokens, children, depth, uniforms)
     T, V = probs.shape
@@ -361,12 +493,23 @@ def accept_sample_triton(probs: Tensor, tokens: Tensor, children: Tensor, depth:
     tokens = tokens.to(torch.int64).contiguous()
     children = children.to(torch.int64).contiguous()
     uniforms = uniforms.to(torch.float32).contiguous()
-    sums = torch.empty(T, dtype=torch.float32, device=probs.device)
-    block_v = min(block_v, next_pow2(V))
-    wrap_triton(_row_sum_kernel)[(T,)](probs, sums, V, probs.stride(0), BLOCK_V=block_v)
+    sums = row_sum_triton(probs, block_v)
     n, path, out = _outputs(depth, probs.device)
-    wrap_triton(_sample_walk_kernel)[(1,)](probs, sums, tokens, children, uniforms, n, path, out, T, V,
-                                           probs.stride(0), depth, children.shape[1], BLOCK_V=block_v)
+    W = children.shape[1]
+    launch(_sample_walk_kernel, (1,), probs, sums, tokens, children, uniforms, n, path, out, T, probs.stride(0), depth,
+           W, BLOCK_T=max(2, next_pow2(T)), BLOCK_W=max(2, next_pow2(W)))
+    block_v = min(block_v, next_pow2(V))
+    chunk, splits = vocab_splits(V, block_v)
+    part = torch.empty(splits, dtype=torch.float64, device=probs.device)
+    last = torch.empty(splits, dtype=torch.int64, device=probs.device)
+    cdf = torch.empty(splits, dtype=torch.float64, device=probs.device)
+    block_s = max(2, next_pow2(splits))
+    launch(_residual_partial_kernel, (splits,), probs, tokens, children, path, part, last, V, probs.stride(0), depth, W,
+           chunk, BLOCK_V=block_v)
+    launch(_residual_cdf_kernel, (splits,), probs, tokens, children, path, part, last, cdf, V, probs.stride(0), depth,
+           W, chunk, SPLITS=splits, BLOCK_S=block_s, BLOCK_V=block_v)
+    launch(_residual_draw_kernel, (1,), probs, tokens, children, uniforms, n, path, part, last, cdf, out, T, V,
+           probs.stride(0), depth, W, chunk, SPLITS=splits, BLOCK_S=block_s, BLOCK_V=block_v)
     return n, path, out
 
 

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .cpu_kernels import load_cpu_kernel
-from .triton_support import next_pow2, require_triton, tl, traced, triton, wrap_triton
+from .triton_support import launch, next_pow2, require_triton, tl, traced, triton
 
 
 def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor) -> None:
@@ -167,8 +167,21 @@ def split_size(S: int, block_n: int) -> int:
 ROW_BLOCK = 16
 
 
+def attention_config(dtype: torch.dtype) -> dict:
+    """Keys per block, warps and pipeline stages of the attention kernel, by input type (never by row
+    count). From the sm_90a build (kernels/hopper_build.py, BENCHMARKS.md "sm_90a build"), not yet from
+    a GPU: 16-bit inputs, 64 keys per block on the tensor cores, 2 stages: 78-96 registers and 20-39 KB
+    of shared memory, 5-6 blocks per SM at head_dim 64-128 (3 stages held 3 blocks at head_dim 128).
+    float32 (IEEE products on the FMA units, twice the bytes per key): 32 keys per block over 8 warps,
+    2 stages: 62-66 registers, 25-45 KB, 3-4 blocks per SM; 64 keys over 4 warps with 3 stages took
+    151 KB of shared memory at head_dim 128 (1 block per SM), and 32-64-row blocks spilled."""
+    if dtype == torch.float32:
+        return dict(block_n=32, num_warps=8, num_stages=2)
+    return dict(block_n=64, num_warps=4, num_stages=2)
+
+
 def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor, scale: float,
-                          kv_len: Tensor | None = None, block_m: int = ROW_BLOCK, block_n: int = 64) -> Tensor:
+                          kv_len: Tensor | None = None, block_m: int = ROW_BLOCK, block_n: int | None = None) -> Tensor:
     """Launch the Triton kernel (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), then
     combine its splits (_combine_kernel). `kv_len` (0-d integer tensor, on the device): read only keys
     below it. The key splits depend on the cache length alone, and every program has the same shapes,
@@ -183,6 +196,8 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Ten
     mask = mask.expand(1, 1, M, S)  # broadcast dims get stride 0: no copy
     if M == 0:
         return torch.empty((1, KV, M, D), dtype=q.dtype, device=q.device)
+    config = attention_config(q.dtype)
+    block_n = block_n or config["block_n"]
     block_d = max(16, next_pow2(D))  # tl.dot needs every block dimension >= 16
     chunk = split_size(S, block_n)
     splits = triton.cdiv(S, chunk)
@@ -193,19 +208,19 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Ten
     # uint16 bit patterns and its tl.dot multiplies the bits (triton-lang/triton#11584). There the
     # operands go to fp32 first: products of bf16 values are exact in fp32, so this is the GPU's
     # bf16 product with fp32 accumulation, up to the order of the sums.
-    dot_f32 = q.dtype == torch.bfloat16 and q.device.type != "cuda"
+    dot_f32 = q.dtype == torch.bfloat16 and q.device.type == "cpu"
     precision = "ieee" if q.dtype == torch.float32 or dot_f32 else "tf32"  # tf32 is ignored for 16-bit inputs
     grid = (KV, triton.cdiv(M, block_m), splits)
-    wrap_triton(_tree_attention_kernel)[grid](
+    launch(_tree_attention_kernel, grid,
         q, k_cache, v_cache, mask, kv_len if kv_len is not None else part_m, part_m, part_l, part_acc,
         float(scale), M, S, D, chunk,
         q.stride(1), q.stride(2), q.stride(3), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(1), v_cache.stride(2), v_cache.stride(3), mask.stride(2), mask.stride(3),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SPLITS=splits, HAS_LEN=kv_len is not None,
-        PRECISION=precision, DOT_F32=dot_f32)
+        PRECISION=precision, DOT_F32=dot_f32, num_warps=config["num_warps"], num_stages=config["num_stages"])
     out = torch.empty((KV, M, block_d), dtype=torch.float32, device=q.device)
-    wrap_triton(_combine_kernel)[(KV * M,)](part_m, part_l, part_acc, out, SPLITS=splits,
-                                           BLOCK_S=max(2, next_pow2(splits)), BLOCK_D=block_d)
+    launch(_combine_kernel, (KV * M,), part_m, part_l, part_acc, out, SPLITS=splits, BLOCK_S=max(2, next_pow2(splits)),
+           BLOCK_D=block_d)
     return out[..., :D].to(q.dtype).unsqueeze(0).contiguous()
 
 

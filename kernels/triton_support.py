@@ -1,6 +1,10 @@
 """Optional Triton import shared by the kernel modules, and what the op bodies need to be traced."""
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 import torch.library
 
@@ -26,6 +30,54 @@ def wrap_triton(kernel):
         if isinstance(kernel, InterpretedFunction):
             return kernel
         raise
+
+
+# Triton's defaults, which a launch keeps unless its plan says otherwise.
+NUM_WARPS, NUM_STAGES = 4, 3
+
+
+@dataclass
+class Launch:
+    """One kernel launch as a launcher made it: the kernel, its grid, every argument by name (tensors as
+    they were passed) and the launch options. Recorded (recording()) instead of run, it is what the
+    sm_90a build check compiles (kernels/hopper_build.py)."""
+    kernel: Any
+    grid: tuple
+    args: dict = field(default_factory=dict)
+    num_warps: int = NUM_WARPS
+    num_stages: int = NUM_STAGES
+
+    @property
+    def name(self) -> str:
+        return getattr(self.kernel, "__name__", None) or self.kernel.fn.__name__
+
+
+_RECORDING: list[list[Launch]] = []
+
+
+@contextlib.contextmanager
+def recording():
+    """Within it, launch() records each launch in the list it yields and runs nothing: the launchers
+    can be called on meta tensors of any model's shapes to learn which kernels, with which arguments,
+    an engine of those shapes launches."""
+    launches: list[Launch] = []
+    _RECORDING.append(launches)
+    try:
+        yield launches
+    finally:
+        _RECORDING.pop()
+
+
+def launch(kernel, grid: tuple, *args, num_warps: int | None = None, num_stages: int | None = None, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs) through torch.library.wrap_triton (so Inductor can trace it), with
+    num_warps / num_stages only where given (else Triton's defaults); recorded instead within recording()."""
+    if _RECORDING:
+        names = getattr(kernel, "arg_names", None)
+        bound = dict(zip(names, args)) | kwargs
+        _RECORDING[-1].append(Launch(kernel, tuple(grid), bound, num_warps or NUM_WARPS, num_stages or NUM_STAGES))
+        return
+    options = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
+    wrap_triton(kernel)[grid](*args, **kwargs, **options)
 
 
 def require_triton(what: str) -> None:

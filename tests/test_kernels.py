@@ -237,7 +237,7 @@ def test_combine_kernel_equals_combine_splits(interpreted):
     acc = torch.randn(2, 5, 7, 16, generator=g)
     acc[:, :, 4] = 0.0
     out = torch.empty(2, 5, 16)
-    attention_mod.wrap_triton(attention_mod._combine_kernel)[(10,)](m, l, acc, out, SPLITS=7, BLOCK_S=8, BLOCK_D=16)
+    attention_mod.launch(attention_mod._combine_kernel, (10,), m, l, acc, out, SPLITS=7, BLOCK_S=8, BLOCK_D=16)
     torch.testing.assert_close(out, attention_mod.combine_splits(m, l, acc), atol=1e-5, rtol=1e-5)
 
 
