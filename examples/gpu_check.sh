@@ -6,15 +6,21 @@
 # section still leaves the others' results; the whole check stays within 8 minutes (BUDGET): a
 # section's limit is cut to what is left, and one that cannot start says so in its log.
 #
-#   setup    offline editable install (--no-deps --no-build-isolation --no-index); when that fails,
-#            a plain install into OUT_DIR/site, put on PYTHONPATH            -> setup.log
+#   setup    examples/gpu_setup.py: refuses a Triton other than the one torch's wheel pins (the check
+#            stops there); finds or makes what AOTInductor's CUDA build needs -- a CUDA_HOME with the
+#            CUDA headers (OUT_DIR/cuda_home, from the nvidia-* wheels, a toolkit or Triton's copy) and an
+#            unversioned libcuda.so (OUT_DIR/cuda_lib, on LIBRARY_PATH) -- or says which file it looked
+#            for where, and exports them to the later sections (OUT_DIR/setup.env); then the offline
+#            editable install (--no-deps --no-build-isolation --no-index); when that fails, a plain
+#            install into OUT_DIR/site, put on PYTHONPATH                     -> setup.log, setup.json
 #   env      GPU, driver, memory, torch / triton / python versions, specc imports -> env.json
 #   kernels  every specc kernel against its reference on CUDA, bf16 and fp32 -> kernels.json
 #   curve    the cost curve c(T) = t(T) / t(1), T = 1..32, of specc's target module replayed as
 #            CUDA graphs at SmolLM2's and Qwen3-8B's layer shapes, per-layer cost, and the
 #            memory floor from the measured copy bandwidth (examples/gpu_cost_curve.py) -> curve.json
-#   engine   SmolLM2's shapes with random weights, bf16, inductor: plain, unfused and fused
-#            decode ms per step, with the decode calls replayed as CUDA graphs and launched
+#   engine   SmolLM2's shapes with random weights, bf16, inductor, only the graphs the timed runs use
+#            (greedy, one prefill size), each graph's compile seconds printed as it finishes: plain,
+#            unfused and fused decode ms per step, with the decode calls replayed as CUDA graphs and launched
 #            kernel by kernel, and kernel launches / graph launches / syncs per step from the
 #            profiler                                                        -> engine.json
 #   rows     row invariance: each node of a verify (chain and 2x2 tree, bf16 and fp32, eager and
@@ -33,6 +39,7 @@ PY=${PYTHON:-python3}
 BUDGET=480
 T0=$(date +%s)
 FAILED=0
+LAST_RC=0
 : > "$OUT/sections.jsonl"
 
 section() {  # section NAME LIMIT_S COMMAND...: run it, log it, record its status
@@ -48,6 +55,7 @@ section() {  # section NAME LIMIT_S COMMAND...: run it, log it, record its statu
         timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
         rc=$?
     fi
+    LAST_RC=$rc
     echo "{\"section\": \"$name\", \"exit\": $rc, \"seconds\": $(( $(date +%s) - ${start:-$(date +%s)} )), \"limit_s\": $limit}" >> "$OUT/sections.jsonl"
     if (( rc != 0 )); then
         FAILED=1
@@ -58,6 +66,14 @@ section() {  # section NAME LIMIT_S COMMAND...: run it, log it, record its statu
     return 0
 }
 
+setup() {  # the Triton pin and CUDA's pieces first (a refused Triton stops here), then the install
+    local rc=0
+    $PY examples/gpu_setup.py "$OUT" || rc=$?
+    (( rc == 3 )) && return 3
+    install_specc || rc=1
+    return $rc
+}
+
 install_specc() {
     if $PY -m pip install --no-deps --no-build-isolation --no-index -e .; then
         return 0
@@ -66,9 +82,28 @@ install_specc() {
     $PY -m pip install --no-deps --no-build-isolation --no-index --target "$OUT/site" .
 }
 
-export -f install_specc
+summary() {
+    $PY - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+rows = [json.loads(line) for line in (out / "sections.jsonl").read_text().splitlines() if line.strip()]
+(out / "sections.json").write_text(json.dumps(rows, indent=1))
+for r in rows:
+    print(f"{r['section']:<8} exit {r['exit']:>3}  {r['seconds']:>4} s (limit {r['limit_s']} s)")
+EOF
+}
+
+export -f setup install_specc
 export PY OUT
-section setup 120 bash -c install_specc  # timeout runs programs, not shell functions
+section setup 120 bash -c setup  # timeout runs programs, not shell functions
+if (( LAST_RC == 3 )); then
+    echo "gpu_check: stopped after setup: $(grep -m 1 '^refused' "$OUT/setup.log")" >&2
+    summary
+    exit 1
+fi
+# CUDA_HOME and LIBRARY_PATH for AOTInductor's CUDA build, as the setup found or made them
+[ -f "$OUT/setup.env" ] && . "$OUT/setup.env"
 [ -d "$OUT/site" ] && export PYTHONPATH="$OUT/site${PYTHONPATH:+:$PYTHONPATH}"
 section env 60 $PY examples/gpu_check.py --env-only --json "$OUT/env.json"
 section kernels 150 $PY examples/gpu_check.py --skip-engine --json "$OUT/kernels.json"
@@ -78,13 +113,5 @@ section rows 120 $PY examples/gpu_check.py --rows --json "$OUT/rows.json"
 section engine_qwen 180 $PY examples/gpu_check.py --skip-kernels --shape qwen3-8b --prompts 2 --rounds 1 \
     --new-tokens 64 --json "$OUT/engine_qwen.json"
 
-$PY - "$OUT" <<'EOF'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-rows = [json.loads(line) for line in (out / "sections.jsonl").read_text().splitlines() if line.strip()]
-(out / "sections.json").write_text(json.dumps(rows, indent=1))
-for r in rows:
-    print(f"{r['section']:<8} exit {r['exit']:>3}  {r['seconds']:>4} s (limit {r['limit_s']} s)")
-EOF
+summary
 exit $FAILED

@@ -15,8 +15,11 @@ Importing this package registers the ops under the `specc` namespace:
 * ``torch.ops.specc.rows_linear(x, w)`` -- x @ w.T for the few rows of a decode step, w float or
   int8 (the `matvec` pass puts it in; rows_linear.py): on CPU the C++ product
   ``torch.ops.specc_cpu.dense_matvec`` (dense_cpu.cpp) where it builds and was measured faster,
-  else a streaming reduction Inductor fuses. It has no Triton kernel: on CUDA that reduction is what
-  Inductor compiles (not yet run on a GPU).
+  else a streaming reduction Inductor fuses; on CUDA a tensor-core Triton product with one tile shape
+  at every row count (not yet run on a GPU).
+
+Every Triton launch goes through triton_support.launch, so hopper_build.py can record the launches an
+engine of any shape makes and compile each for the H100 (sm_90a) without a GPU (tests/test_hopper_build.py).
 
 On CPU tensors each op runs its torch reference; on CUDA tensors it runs the Triton kernel. Triton
 stays optional at run time: without it this package still imports, and CUDA calls fall back to the

@@ -68,6 +68,14 @@ SHAPES = {
     "llama3-70b": Shape("llama3-70b", 64, 8, 128, 8192, 28672, 128256, 4096),
 }
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def shape_of(config: dict, cache_len: int, name: str = "target") -> Shape:
+    """The Shape of a Hugging Face decoder config (config.json's keys)."""
+    heads = config["num_attention_heads"]
+    return Shape(name, heads, config.get("num_key_value_heads") or heads,
+                 config.get("head_dim") or config["hidden_size"] // heads, config["hidden_size"],
+                 config["intermediate_size"], config["vocab_size"], cache_len)
 TREE_SIZES = (1, 8, 16, 32, 64)
 GGUF_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
 
@@ -81,10 +89,11 @@ def _trees(T: int) -> list[tuple[int, int]]:
 
 
 def shape_launches(shape: Shape, dtype: torch.dtype, tree_sizes=TREE_SIZES, gguf=GGUF_FORMATS,
-                   kv_len: bool = True) -> list[tuple[str, Launch]]:
+                   kv_len: bool = True, greedy: bool = True, sample: bool = True, trees=None) -> list[tuple[str, Launch]]:
     """(label, launch) for every kernel launch of a decode step of `shape` in `dtype` at each tree size:
     attention over the cache, every product, greedy and sampling acceptance, KV compaction, and the
-    GGUF products (float32 activations) for each block format in `gguf`."""
+    GGUF products (float32 activations) for each block format in `gguf`. `trees`: the (depth, width)
+    of the trees to accept at each size (default: a chain and a tree with two children per node)."""
     from . import compact_kv, gguf_linear, rows_linear, tree_accept, tree_attention
 
     meta = dict(device="meta")
@@ -105,14 +114,16 @@ def shape_launches(shape: Shape, dtype: torch.dtype, tree_sizes=TREE_SIZES, gguf
         for name, (N, K) in shape.products().items():
             rec(f"product {name} {N}x{K}", rows_linear.rows_linear_triton, torch.empty(1, T, K, dtype=dtype, **meta),
                 torch.empty(N, K, dtype=dtype, **meta))
-        for depth, width in _trees(T):
+        for depth, width in (trees or {}).get(T) or _trees(T):
             tokens = torch.empty(T, dtype=torch.int64, **meta)
             children = torch.empty(T, width, dtype=torch.int64, **meta)
-            rec(f"accept greedy depth={depth} W={width}", tree_accept.accept_greedy_triton,
-                torch.empty(T, V, dtype=dtype, **meta), tokens, children, depth)
-            rec(f"accept sample depth={depth} W={width}", tree_accept.accept_sample_triton,
-                torch.empty(T, V, dtype=torch.float32, **meta), tokens, children, depth,
-                torch.empty(T + 1, dtype=torch.float32, **meta))
+            if greedy:
+                rec(f"accept greedy depth={depth} W={width}", tree_accept.accept_greedy_triton,
+                    torch.empty(T, V, dtype=dtype, **meta), tokens, children, depth)
+            if sample:
+                rec(f"accept sample depth={depth} W={width}", tree_accept.accept_sample_triton,
+                    torch.empty(T, V, dtype=torch.float32, **meta), tokens, children, depth,
+                    torch.empty(T + 1, dtype=torch.float32, **meta))
             rec(f"compact_kv n={depth + 1}", compact_kv.compact_kv_triton, cache,
                 torch.empty(depth + 1, dtype=torch.int64, **meta), torch.empty((), dtype=torch.int64, **meta))
         if T <= gguf_linear.MAX_ROWS:
@@ -203,6 +214,8 @@ class Built:
     num_warps: int
     num_stages: int
     ok: bool
+    models: str = ""  # the model shapes and dtypes of its launches ("smollm2/qwen3-8b", "bfloat16")
+    dtypes: str = ""
     error: str = ""
     registers: int = 0
     spill_stores: int | None = None  # bytes, from ptxas's log (None: unknown)
@@ -292,6 +305,8 @@ def build(labelled: list[tuple[str, Launch]], arch: int = 90, progress=None) -> 
         sig, cex, attrs = specialise(fn, la.args)
         b = Built(name, "; ".join(labels[:3]) + (f"; +{len(labels) - 3}" if len(labels) > 3 else ""), len(labels),
                   " ".join(f"{k}={v}" for k, v in cex_names(fn, cex).items()), la.num_warps, la.num_stages, ok=False)
+        b.models = "/".join(dict.fromkeys(label.split()[0] for label in labels))
+        b.dtypes = "/".join(dict.fromkeys(label.split()[1] for label in labels))
         t0 = time.perf_counter()
         log = io.StringIO()
         try:
@@ -347,6 +362,28 @@ def table(rows: list[Built]) -> str:
         spills = "-" if b.spill_stores is None else f"{b.spill_stores}/{b.spill_loads}"
         lines.append(f"| {b.kernel} | {b.config} | {b.signature} | {b.num_warps} | {b.num_stages} | {b.registers} | "
                      f"{spills} | {b.local} | {b.shared / 1024:.1f} | {b.mma} | {b.blocks_per_sm} | {b.seconds} |")
+    return "\n".join(lines)
+
+
+def summary(rows: list[Built]) -> str:
+    """The build by kernel and dtype as a Markdown table: variants, the register range, spill and local
+    bytes, the most shared memory, the MMA instructions and the fewest blocks per SM."""
+    groups: dict[tuple[str, str], list[Built]] = {}
+    for b in rows:  # launches with inputs of one dtype whatever the model's (probabilities) group as one
+        groups.setdefault((b.kernel, b.dtypes), []).append(b)
+    lines = ["| kernel | model dtype | variants | regs | spills B | local B | shared KB (max) | MMA | blocks/SM (min) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (kernel, dtype), bs in groups.items():
+        ok = [b for b in bs if b.ok]
+        if len(ok) < len(bs):
+            lines.append(f"| {kernel} | {dtype} | {len(bs)} | {len(bs) - len(ok)} FAILED | | | | | |")
+            continue
+        regs = sorted(b.registers for b in ok)
+        spills = sum((b.spill_stores or 0) + (b.spill_loads or 0) for b in ok)
+        mma = "/".join(sorted({b.mma for b in ok}))
+        lines.append(f"| {kernel} | {dtype} | {len(ok)} | {regs[0]}-{regs[-1]} | {spills} | "
+                     f"{max(b.local + b.stack for b in ok)} | {max(b.shared for b in ok) / 1024:.1f} | {mma} | "
+                     f"{min(b.blocks_per_sm for b in ok)} |")
     return "\n".join(lines)
 
 

@@ -9,7 +9,14 @@ on the machine: kernel_choice, specc/products.py);
 everywhere else on CPU the reference below, one multiply and row sum per input row over the
 weight, which Inductor fuses into one streaming reduction loop (the pass's form for every weight
 before this op existed; still its form for other weights computed in the graph). On CUDA a Triton
-kernel with one order of the sums per row (rows_linear_triton).
+kernel on the tensor cores with one tile shape at every row count (rows_linear_triton).
+
+Why not cuBLAS on CUDA: a library GEMM picks its kernel, and with it the blocking and split of each
+output's sum, by the problem's shape, so a row of a T-row verify would not get the bits of the 1-row
+plain step (measured on CPU with MKL: 1129 of 1536 outputs differ between 1 and 8 rows), and greedy
+speculative output would leave plain decoding at near-ties in bf16. The Triton product keeps one tile
+shape (PRODUCT_ROWS rows, a BLOCK_K fixed by dtype) and never splits K, so each output's sum has one
+order; it reads the weight once per 16 rows, as a GEMM would. Its speed against cuBLAS awaits a GPU.
 
 Every body gives a row the same bits whatever the number of rows in the call, and the two CPU bodies
 give the same bits as each other (same_order): what makes a T-node verify compute each row as the

@@ -12,10 +12,15 @@ it is static). All outputs are int64.
 i.i.d. from the drafter) are vectorised with static loops, so torch.export and Inductor trace them:
 they are the ops' bodies off CUDA, and the oracles of the Triton kernels.
 
-Triton: a first kernel reduces every row in parallel (the argmax of each logits row, or the sum of
-each probability row); a second, single-program kernel walks the tree (depth and width are small)
-and, for sampling, draws the final token from the residual by an inverse CDF over the vocabulary
-in blocks.
+Triton: the passes over the vocabulary are split: the argmax of each logits row (or the sum of each
+probability row) runs as (row, split) programs of up to 64 splits per row, then one program per row
+combines the splits, so a plain step's one row spreads over dozens of programs rather than one
+program scanning 150k values. The walk itself is one program, with the tree (tens of nodes, a few
+children each) held in registers: every node's matching child (greedy) or its children's probabilities
+(sampling) are gathered at once, and the walk's levels then read registers, not a chain of dependent
+loads from memory. Sampling then draws the final token from the residual by an inverse CDF in three
+launches: the residual's sum per split, its normalised sum per split, and one program that finds the
+split where the cumulative sum passes u and scans that split alone.
 
 Floating-point caveats of the Triton path, all confined to measure-zero events:
 
@@ -26,10 +31,10 @@ Floating-point caveats of the Triton path, all confined to measure-zero events:
   probabilities of the siblings already rejected, where the reference sums the zeroed row again.
   The two s differ by a few ulp, so a decision can differ only when u lies within a few ulp of the
   ratio.
-* residual inverse CDF: the residual sum and the cumulative sums are accumulated in fp64 blocks
-  (torch's CPU cumsum accumulates fp32 in double too; CUDA's scans in fp32), so the drawn index
-  can differ from the reference only when u lies within rounding of a CDF step. The guard of
-  inverse_cdf_rows is kept: the draw never goes past the last index of positive mass.
+* residual inverse CDF: the residual sum and the cumulative sums are accumulated in fp64, by block
+  and then by split (torch's CPU cumsum accumulates fp32 in double too; CUDA's scans in fp32), so the
+  drawn index can differ from the reference only when u lies within rounding of a CDF step. The guard
+  of inverse_cdf_rows is kept: the draw never goes past the last index of positive mass.
 """
 from __future__ import annotations
 

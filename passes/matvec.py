@@ -89,6 +89,22 @@ def matvec(ep: torch.export.ExportedProgram, max_rows: int = MAX_ROWS, stored_on
     return ep
 
 
+# On CUDA rows_linear is a tensor-core tile kernel with one tile shape at any row count
+# (kernels/rows_linear.py), so it serves a verify of any tree size: trees of more than MAX_ROWS nodes
+# too, which would otherwise reach cuBLAS, whose kernel choice by shape gives a verify row other bits
+# than the plain step's.
+CUDA_DECODE_ROWS = 64
+
+
+def decode_products(ep: torch.export.ExportedProgram, max_rows: int = CUDA_DECODE_ROWS) -> torch.export.ExportedProgram:
+    """Invariant: in a decode graph (one that calls specc::tree_attention), every `aten.linear` over a
+    stored weight with at most `max_rows` rows becomes `specc::rows_linear` (matvec, stored_only);
+    other graphs (prefill chunks, drafters' graphs) are returned unchanged. A lowering pass for CUDA."""
+    if not any(n.op == "call_function" and n.target is torch.ops.specc.tree_attention.default for n in ep.graph.nodes):
+        return ep
+    return matvec(ep, max_rows=max_rows, stored_only=True)
+
+
 CASTS = (aten.to.dtype, aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 
 

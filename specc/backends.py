@@ -76,18 +76,45 @@ def move_states(states: dict[str, dict[str, torch.Tensor]], device: str) -> dict
     return {name: {k: move(t) for k, t in state.items()} for name, state in states.items()}
 
 
-def on_device(ep: torch.export.ExportedProgram, device: str) -> torch.export.ExportedProgram:
-    """A copy of the program with its constants and the devices written into its nodes (arange,
-    zeros) on `device`. Programs are captured on CPU; this is how an engine's graphs reach a GPU.
-    A copy: move_to_device_pass works in place, and the CPU program may still be needed (the
-    fused step is built from the step and drafter programs after they were lowered)."""
-    if torch.device(device).type == "cpu":
+def on_device(ep: torch.export.ExportedProgram, device: str,
+              state: dict[str, torch.Tensor] | None = None) -> torch.export.ExportedProgram:
+    """A copy of the program for `device`: its devices written into its nodes (arange, zeros), its
+    own small constants (tree masks, rotary tables) moved, and every tensor the engine owns (`state`,
+    already on `device`: move_states) taken as it is, never copied. Programs are captured on CPU;
+    this is how an engine's graphs reach a GPU.
+
+    A copy: move_to_device_pass works in place, and the CPU program may still be needed (the fused
+    step is built from the step and drafter programs after they were lowered). The copy shares
+    tensors rather than copying them: the deep copy is told (through its memo) that each
+    weight's copy is the engine's tensor on `device`, and each small constant's copy is the
+    constant itself (move_to_device_pass then puts a moved one in the copy's table, never
+    touching the original). move_to_device_pass (torch 2.11 and 2.13 alike) calls `.to(device)` on
+    every state_dict and constants entry, which returns a tensor already there as it is, and wraps
+    a parameter as `nn.Parameter(t)`, which shares its storage. So compiling N graphs for a GPU
+    holds one set of weights there, not N (and no CPU copy either)."""
+    target = torch.device(device)
+    if target.type == "cpu":
         return ep
     import copy
 
     from torch.export.passes import move_to_device_pass
 
-    return move_to_device_pass(copy.deepcopy(ep), device)
+    params = set(ep.graph_signature.parameters)
+    memo: dict[int, object] = {}
+    for fqn, t in (*ep.state_dict.items(), *ep.constants.items()):
+        if not isinstance(t, torch.Tensor) or id(t) in memo:
+            continue
+        own = state.get(canonical_name(fqn)) if state is not None else None
+        if own is None:
+            memo[id(t)] = t  # the graph's own constant: moved (copied) by the pass, into the copy only
+            continue
+        if own.device.type != target.type or (target.index is not None and own.device.index != target.index):
+            raise ValueError(f"on_device: the engine's tensor {canonical_name(fqn)!r} is on {own.device}, not "
+                             f"{device}; move the engine's tensors once (move_states) first.")
+        if fqn in params and not isinstance(own, nn.Parameter):  # what the verifier wants (move_states
+            own = nn.Parameter(own, requires_grad=False)          # gives plain tensors); the same storage
+        memo[id(t)] = own
+    return move_to_device_pass(copy.deepcopy(ep, memo), device)
 
 
 def state_names(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -226,6 +253,10 @@ def lowering_passes(backend: str, device: str) -> list[tuple[str, Callable]]:
         from specc.passes.attend_prefix import attend_prefix
 
         return [("attend_prefix", attend_prefix)]
+    if backend == "inductor" and torch.device(device).type == "cuda":
+        from specc.passes.matvec import decode_products
+
+        return [("decode_products", decode_products)]
     return []
 
 
@@ -308,8 +339,8 @@ def lower_graph(backend: str, ep: torch.export.ExportedProgram, state: dict[str,
             require_trt_clean(folder, entry)
         return entry
     rel, passes = f"graphs/{name}.pt2", lowering_passes(backend, device)
-    keys = compile_inductor(on_device(ep, device), state, folder / rel, tuple(a.to(device) for a in example_args),
-                            passes)
+    keys = compile_inductor(on_device(ep, device, state), state, folder / rel,
+                            tuple(a.to(device) for a in example_args), passes)
     return {"file": rel, "state_keys": keys, "lowering": [n for n, _ in passes]}
 
 
@@ -317,7 +348,7 @@ def open_graph(backend: str, folder: Path, entry: dict, state: dict[str, torch.T
                cuda_graphs: bool = False):
     """The callable for one graph of an engine."""
     if backend == "eager":
-        return EagerGraph(on_device(load_program(folder, entry, state), device), state)
+        return EagerGraph(on_device(load_program(folder, entry, state), device, state), state)
     if backend == "onnx":
         from .onnx_backend import OnnxGraph
 

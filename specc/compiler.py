@@ -16,6 +16,7 @@ import platform
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -116,9 +117,11 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
             # the few-row products from timing the plain and the step graph both ways (specc/products.py)
             timed = products.measure_all(plans, modules.by_name(), tree, states["target"], build_device, cfg.progress)
         bar = tqdm(plans, desc=f"compile ({cfg.backend})", unit="graph", disable=not cfg.progress)
+        seconds = {}  # per graph, capture to lowered: the manifest's compile_s
         with kernel_choice(**products.as_choice(timed)):
             for plan in bar:
                 bar.set_postfix_str(plan.name)
+                t0 = time.perf_counter()
                 ep = built[plan.name] = build_program(plan, modules.by_name(), built, tree,
                                                       Path(cfg.dump_ir) if cfg.dump_ir else None)
                 args = example_inputs(ep)
@@ -126,6 +129,9 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
                     "module": plan.module, "tokens": plan.T, "inputs": [[list(a.shape), str(a.dtype)] for a in args],
                     "mode": plan.mode, "passes": plan.passes,
                     **lower_graph(cfg.backend, ep, states[plan.module], stage, plan.name, args, build_device)}
+                seconds[plan.name] = round(time.perf_counter() - t0, 2)
+                if cfg.on_graph is not None:
+                    cfg.on_graph(plan.name, seconds[plan.name])
         bar.close()
         if cfg.dump_ir:  # the shared first stages were copied into each graph's dump
             shutil.rmtree(Path(cfg.dump_ir) / ".base", ignore_errors=True)
@@ -136,7 +142,7 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
             target.tokenizer.save_pretrained(stage / "target")
         kind.save(weights, stage / "draft", target.model)
         trt = tensorrt_engines(stage, out, graphs, cfg.progress) if cfg.backend == "tensorrt" else None
-        write_manifest(stage, cfg, target, modules, entry, tree, report, graphs, cache_len, trt, timed)
+        write_manifest(stage, cfg, target, modules, entry, tree, report, graphs, cache_len, trt, timed, seconds)
         if len(cfg.prefill_chunks) > 1 and cfg.backend != "tensorrt":  # TensorRT's graphs run on the GPU machine
             measure_prefill(stage, cfg.progress)
         if cfg.adaptive:
@@ -258,7 +264,7 @@ def measure_tree(cfg: CompileConfig, depth_limit: int):
 
 def write_manifest(stage: Path, cfg: CompileConfig, target, modules: EngineModules, entry: dict, tree: Tree,
                    report: dict | None, graphs: dict, cache_len: int, trt: dict | None = None,
-                   timed_products: dict | None = None) -> None:
+                   timed_products: dict | None = None, compile_s: dict | None = None) -> None:
     """specc.json: versions, what was compiled, and the sha256 of every file (never a pickle)."""
     import transformers
 
@@ -287,6 +293,8 @@ def write_manifest(stage: Path, cfg: CompileConfig, target, modules: EngineModul
         "modes": list(cfg.modes), "max_len": cfg.max_len, "prefill_chunk": cfg.prefill_chunks[-1],
         "prefill_chunks": list(cfg.prefill_chunks), "cache_len": cache_len,
         "graphs": graphs,
+        # seconds each graph took to build (capture, passes, lowering; a cached AOTInductor package is quick)
+        "compile_s": compile_s or {},
         # what each decoded token reads: the target's weights (quantized or not) and the drafter's own
         "quant": {"target": cfg.quant, "drafter": FLOAT, "bytes_per_token": {
             "target": weight_bytes(modules.target), "drafter": weight_bytes(modules.draft, shared=modules.target)}},

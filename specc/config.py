@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -62,6 +63,10 @@ class CompileConfig:
     # Weight-only quantization of the target's linear layers (specc/quant.py): none, int8, or gguf (a
     # GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks).
     quant: str = "none"
+    # Called as each graph of the engine is finished (captured, passes run, lowered) with its name and
+    # seconds, so a caller can report a slow compile as it happens (examples/gpu_check.py prints a
+    # line per graph); the manifest's `compile_s` keeps the same figures.
+    on_graph: Callable[[str, float], None] | None = field(default=None, compare=False, repr=False)
     # Derived in __post_init__: the parsed tree (a stand-in chain for a measured spec) and the dtype.
     tree_spec: str = field(init=False)
     prefill_chunks: tuple[int, ...] = field(init=False)

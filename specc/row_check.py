@@ -75,7 +75,7 @@ class _Runner:
 
     def __init__(self, ep, state: dict, backend: str, folder: Path, name: str, device: str):
         self.device = device
-        ep = on_device(ep, device)
+        ep = on_device(ep, device, state)  # the state is on the device already: shared, not copied
         if backend == "inductor":
             path = folder / f"{name}.pt2"
             # the program already went through lowering_passes (verify_program)

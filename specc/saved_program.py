@@ -78,13 +78,18 @@ def load_program(folder: Path, entry: dict, state: dict[str, torch.Tensor]) -> t
         for key in f.keys():
             group, _, fqn = key.partition("/")
             values[group][fqn] = f.get_tensor(key)
+    program = from_json(schema.ExportedProgram, json.loads((folder / entry["file"]).read_text()))
+    params = {spec.value.parameter_name for spec in program.graph_module.signature.input_specs
+              if spec.type == "parameter"}
     for group, names in own.items():
         for fqn in names:
             if canonical_name(fqn) not in state:
                 raise SpeccError(f"graph {Path(entry['file']).stem} needs tensor {canonical_name(fqn)!r}, which the "
                                  f"engine does not have.")
-            values[group][fqn] = state[canonical_name(fqn)]
-    program = from_json(schema.ExportedProgram, json.loads((folder / entry["file"]).read_text()))
+            value = state[canonical_name(fqn)]
+            if fqn in params and not isinstance(value, torch.nn.Parameter):  # moved tensors (move_states) are
+                value = torch.nn.Parameter(value, requires_grad=False)       # plain: the same storage, wrapped
+            values[group][fqn] = value
     return ExportedProgramDeserializer().deserialize(program, values["state_dict"], values["constants"], None)
 
 

@@ -1,5 +1,7 @@
 """Where an engine runs: --device is checked before any work, and moving an engine's tensors to a
 device keeps every tensor that several graphs share as one tensor there."""
+import json
+
 import pytest
 import torch
 
@@ -98,3 +100,103 @@ def test_cuda_graphs_replay_gives_the_launched_tokens(tmp_path, backend):
             b = launched.generate(prompt, max_new_tokens=24, stop_at_eos=False, speculate=speculate, **kw)
             assert a.token_ids == b.token_ids and a.stats.steps == b.stats.steps
     assert {"plain_greedy", "step_greedy", "fused_greedy", "fused_top_p"} <= set(replayed._captured)
+
+
+def _cpu_peak(fn):
+    """fn's result and the most CPU memory its allocations held at once (torch's allocator, read
+    through the profiler's memory events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
+                    key=lambda e: e.start_ns())
+    held = peak = 0
+    for e in events:
+        held += e.nbytes()
+        peak = max(peak, held)
+    return out, peak
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
+def _moved_programs(monkeypatch):
+    """Wrap on_device: every program it returns, with the engine tensors it was given and the CPU
+    memory its call held at most."""
+    import specc.backends as backends
+
+    calls, inner = [], backends.on_device
+
+    def recording(ep, device, state=None):
+        moved, peak = _cpu_peak(lambda: inner(ep, device, state))
+        calls.append((moved, state, peak, ep))
+        return moved
+
+    monkeypatch.setattr(backends, "on_device", recording)
+    return calls
+
+
+def _check_shared(calls, weight_bytes: int, device: str = "meta"):
+    from specc.pipeline import canonical_name
+
+    assert len(calls) >= 3  # an engine of several graphs, every one moved
+    for moved, state, peak, _ in calls:
+        assert peak < weight_bytes / 20, (peak, weight_bytes)  # no CPU copy of the weights
+        owned = 0
+        for fqn, t in (*moved.state_dict.items(), *moved.constants.items()):
+            assert t.device.type == device
+            if canonical_name(fqn) in state:  # the engine's own tensor, never a copy of it
+                assert _shares(t, state[canonical_name(fqn)]), fqn
+                owned += 1
+        assert owned >= 3
+
+
+def test_graphs_for_a_device_share_the_engine_weights(tmp_path, monkeypatch):
+    """Issue 47: compiling an engine of N graphs for a device (inductor) and opening an eager engine's
+    graphs there hold one set of the engine's weights on that device, moved once (move_states), and
+    no second copy anywhere. No GPU here: 'meta' stands in for it (its tensors have no data, so a copy
+    to it shows as a new storage, and a copy through the CPU as CPU memory), with deliberately large
+    embedding and head tables."""
+    import copy
+
+    import specc.backends as backends
+    import specc.compiler as compiler
+    import specc.config as config
+    from torch.export.passes import move_to_device_pass
+
+    model = tiny_model("llama", vocab=16384, layers=1, hidden=128, seed=2)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weight_bytes > 16e6
+    model.save_pretrained(tmp_path / "m")
+    monkeypatch.setattr(config, "check_device", lambda d: d)  # let 'meta' through
+    monkeypatch.setattr(compiler, "check_device", lambda d: d)
+    calls = _moved_programs(monkeypatch)
+    compiled = []
+
+    def fake_compile(ep, state, out_path, example_args, passes=()):  # what AOTInductor would be given
+        compiled.append(ep)
+        out_path.write_bytes(b"")
+        return list(state)
+
+    monkeypatch.setattr(backends, "compile_inductor", fake_compile)
+    options = dict(drafter="ngram", tree="chain:2", max_len=64, prefill_chunk=8, progress=False, modes="greedy")
+    specc.compile(tmp_path / "m", backend="inductor", device="meta", output_dir=tmp_path / "ind", **options)
+    assert len(compiled) == len(calls) and all(ep is c[0] for ep, c in zip(compiled, calls))
+    _check_shared(calls, weight_bytes)
+
+    # the measure sees a copy: what on_device did before (a deep copy of the program, then moved)
+    _, old_peak = _cpu_peak(lambda: move_to_device_pass(copy.deepcopy(calls[0][3]), "meta"))
+    assert old_peak > weight_bytes * 0.9
+
+    # eager: the saved graphs opened on the device bind the engine's tensors there
+    done = []
+    path = specc.compile(tmp_path / "m", backend="eager", output_dir=tmp_path / "eager",
+                         on_graph=lambda name, s: done.append(name), **options)
+    manifest = json.loads((path / "specc.json").read_text())
+    assert done == list(manifest["graphs"]) == list(manifest["compile_s"])  # each graph reported as it was done
+    calls.clear()
+    specc.load(path, device="meta", cuda_graphs=False)
+    _check_shared(calls, weight_bytes)

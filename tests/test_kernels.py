@@ -322,6 +322,27 @@ def as_tuple(res):
     return int(n), path.tolist(), out.tolist()
 
 
+def test_row_argmax_and_sum_triton_over_splits(interpreted):
+    """The vocabulary passes split each row (tree_accept.vocab_splits): ties across splits go to the first
+    index, an all -inf row gives 0, NaN is skipped; the sums of the splits equal the row sums."""
+    from specc.kernels.tree_accept import row_argmax_triton, row_sum_triton, vocab_splits
+
+    V, block = 100, 16
+    assert vocab_splits(V, block) == (16, 7)
+    x = torch.randn(5, V, generator=gen(3))
+    x[0, 20] = x[0, 90] = 50.0  # a tie in two splits: the first wins
+    x[1] = float("-inf")
+    x[2, 3], x[2, 70] = float("nan"), 40.0
+    x[3, 99] = 60.0  # in the last, partial split
+    got = row_argmax_triton(x, block_v=block)
+    assert got.tolist() == [20, 0, 70, 99, int(x[4].argmax())]
+    for dtype in (torch.float32, torch.bfloat16):
+        y = torch.randn(3, V, generator=gen(4)).to(dtype)
+        assert torch.equal(row_argmax_triton(y, block_v=block), y.argmax(-1))
+    p = torch.rand(4, V, generator=gen(5))
+    torch.testing.assert_close(row_sum_triton(p, block_v=block), p.sum(-1), atol=1e-5, rtol=1e-6)
+
+
 @pytest.mark.parametrize("name", TREES)
 @pytest.mark.parametrize("V,dtype", [(37, torch.float32), (2500, torch.float32), (300, torch.bfloat16)])
 def test_tree_accept_greedy_triton_matches_reference(interpreted, name, V, dtype):

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from specc.kernels.cpu_kernels import load_cpu_kernel
 from specc.kernels.rows_linear import rows_linear, rows_linear_reference, same_order
 from specc.passes.attend_prefix import KEY_BLOCK, keys_read
+from specc.pipeline import capture
 from specc.row_check import compare_rows, diverging_node, first_divergence, random_text, verify_program
 from specc.target_module import TargetModule, module_state
 from specc.tree import chain, topk
@@ -163,6 +164,30 @@ def test_verify_rows_equal_the_plain_step(dtype, backend):
     report = compare_rows(target, tree, context, drafts, backend)
     assert report.identical, report
     assert first_divergence(target, tree, context, drafts, backend) is None
+
+
+def test_cuda_verify_of_a_large_tree_keeps_every_product_row_invariant():
+    """On CUDA (lowering_passes), a verify of more nodes than matvec.MAX_ROWS still computes every product
+    over a stored weight with rows_linear's one-tile-shape kernel (not cuBLAS, whose kernel changes with
+    the row count); on CPU those stay library GEMMs; prefill graphs are left alone."""
+    from specc.passes.matvec import MAX_ROWS, decode_products
+
+    model = tiny_model("llama", vocab=64, layers=1, hidden=64, heads=4, kv_heads=2, seed=7)
+    target = TargetModule(model, 96)
+
+    def products(ep):
+        ops = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+        return ops.count(torch.ops.aten.linear.default), ops.count(torch.ops.specc.rows_linear.default)
+
+    big = chain(MAX_ROWS + 3)
+    cpu, cuda = (verify_program(target, big, 96, "inductor", device) for device in ("cpu", "cuda"))
+    assert products(cpu)[0] > 0  # 20 rows: GEMMs on CPU
+    assert products(cuda) == (0, products(cpu)[0] + products(cpu)[1])
+    small = verify_program(target, chain(3), 96, "inductor", "cuda")
+    assert products(small)[0] == 0
+    prefill = capture(target, (torch.zeros(1, 20, dtype=torch.long), torch.arange(20).view(1, 20),
+                               torch.arange(20), torch.zeros(1, 1, 20, 96)))
+    assert products(decode_products(prefill)) == products(prefill)
 
 
 def _scale_product(ep, index: int, factor: float) -> str:
