@@ -235,6 +235,22 @@ def main() -> int:
         row("compact_kv_", f"cache[1,{KV},{S},{D}] n={len(path)}", torch.bfloat16, f"mismatches {bad}/{args.trials}",
             bad == 0, lambda: ops.compact_kv_(a, src, dst), lambda: K.compact_kv_reference(b, src, dst))
 
+    # ---- rows_linear: a decode step's products on the tensor cores with one tile shape at every row count,
+    # against cuBLAS (F.linear), whose kernel changes with the row count: the timing that decides whether
+    # specc keeps its own product on CUDA; each row's bits must equal the one-row call's
+    for dtype in (torch.bfloat16,):
+        for N, K_ in ((1536, 576), (12288, 4096)) if Ts else ():
+            w = (torch.randn(N, K_, generator=g) * K_ ** -0.5).to(dev, dtype)
+            for T in Ts:
+                x = torch.randn(1, T, K_, generator=g).to(dev, dtype)
+                got = ops.rows_linear(x, w)
+                ref = x.float() @ w.float().T
+                err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+                same = all(torch.equal(ops.rows_linear(x[:, i:i + 1].contiguous(), w)[0, 0], got[0, i])
+                           for i in range(T))
+                row("rows_linear", f"x[{T},{K_}] w[{N},{K_}]", dtype, f"rel err {err:.1e}, rows alike {same}",
+                    err < 2e-2 and same, lambda: ops.rows_linear(x, w), lambda: torch.nn.functional.linear(x, w))
+
     engine = None
     try:
         engine = None if args.skip_engine else time_engine(args)
@@ -249,7 +265,7 @@ def main() -> int:
               f"{r['triton_us']} | {r['torch_us']} | {r['speedup']} |")
     print(f"\n{len(rows) - len(failed)}/{len(rows)} checks passed in {wall:.0f} s. Torch columns: SDPA with the float "
           f"mask; specc.acceptance.accept_greedy (vectorised); the Python reference walks for sampling; "
-          f"index_select + index_copy_ for compaction.")
+          f"index_select + index_copy_ for compaction; cuBLAS (F.linear) for rows_linear.")
     if engine is not None:
         print_engine(engine, wall)
     if args.json:
