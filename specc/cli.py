@@ -139,11 +139,50 @@ def adaptive_lines(entry: dict) -> list[str]:
     return report_lines(entry) if "latency_ms" in entry else ["adaptive family not measured"]
 
 
+def sm90_report(m: dict, as_json: bool) -> int:
+    """`specc inspect --sm90`: the engine's target shapes, dtype, decode-step sizes and modes -> the kernels'
+    sm_90a build (kernels/hopper_build.py), as a table or JSON."""
+    import torch
+
+    from .kernels import hopper_build as hb
+
+    why = hb.available()
+    if why:
+        raise SpeccError(f"cannot build the kernels for sm_90a here: {why}.")
+    shape = hb.shape_of(m["target"]["config"], m["cache_len"], m["target"]["name"])
+    sizes = sorted({g["tokens"] for name, g in m["graphs"].items()
+                    if name.startswith(("plain", "step", "fused")) and "tokens" in g}) or [1]
+    modes = set(m["modes"])
+    gguf = hb.GGUF_FORMATS if m.get("quant", {}).get("target") == "gguf" else ()
+    parents, depths = m["tree"]["parents"], m["tree"]["depths"]
+
+    def shape_at(T: int) -> tuple[int, int]:  # (depth, widest node) of the tree's first T nodes (a family member)
+        kids = [sum(1 for p in parents[1:T] if p == i) for i in range(T)]
+        return max(depths[:T]), max(1, max(kids))
+
+    labelled = hb.shape_launches(shape, getattr(torch, m["dtype"]), tuple(sizes), gguf=gguf, greedy="greedy" in modes,
+                                 sample=bool(modes - {"greedy"}), trees={T: [shape_at(T)] for T in sizes})
+    rows = hb.build(labelled)
+    bad = [b for b in rows if b.problems()]
+    if as_json:
+        print(json.dumps({"shape": shape.__dict__, "tree_sizes": sizes, "launches": len(labelled),
+                          "rows": hb.as_dicts(rows)}))
+    else:
+        print(f"sm_90a build of {m['target']['name']}'s decode-step kernels ({m['dtype']}, "
+              f"{', '.join(map(str, sizes))} tokens a step; {len(labelled)} launches, {len(rows)} variants):\n")
+        print(hb.table(rows))
+        for b in bad:
+            print(f"\n{b.kernel} [{b.config}]: {'; '.join(b.problems())}")
+    return 1 if bad else 0
+
+
 def cmd_inspect(a) -> int:
     from .compiler import read_manifest
     from .tree import draw_tree, tree_from_paths
 
     m = read_manifest(a.engine)
+    if a.sm90:
+        return sm90_report(m, a.json)
     tree = tree_from_paths(m["tree"]["paths"])
     if a.tree_png:
         draw_tree(tree, a.tree_png)
@@ -243,13 +282,15 @@ def cmd_train(a) -> int:
     fields = {k: getattr(a, k) for k in TrainConfig.__dataclass_fields__ if getattr(a, k, None) is not None}
     cfg = TrainConfig(**{**(SMOKE if a.smoke else {}), **fields})  # explicit options win over --smoke's
     res = train(a.model, a.output, cfg, smoke=a.smoke, progress=not a.json,
-                log=(lambda m: None) if a.json else print, command=" ".join(["specc", *sys.argv[1:]]))
+                log=(lambda m: None) if a.json else print, command=" ".join(["specc", *sys.argv[1:]]),
+                device=a.device)
     if a.json:
         print(json.dumps(res))
     else:
         ev = res["eval"] or {}
         print(f"trained {res['drafter']} drafter in {res['output']}: {res['steps']} steps on {res['sequences']} "
-              f"sequences, held-out tau {ev.get('tau')} (greedy, full block, {ev.get('anchors')} anchors)")
+              f"sequences, held-out tau {ev.get('tau')} (greedy, full block, {ev.get('anchors')} anchors)"
+              + (f"; stopped by --time-budget after {res['train_s']} s" if res.get("stopped_by_time") else ""))
         extra = [f"chain:{k} {v}" for k, v in ((k.removeprefix('tau_chain'), v) for k, v in ev.items()
                                                if k.startswith("tau_chain"))]
         if extra:
@@ -262,7 +303,16 @@ def cmd_features(a) -> int:
     from .train import extract_features
 
     index = extract_features(a.model, a.output, a.tokens, a.taps, a.max_len, a.sources, progress=not a.json,
-                             log=(lambda m: None) if a.json else print)
+                             log=(lambda m: None) if a.json else print, device=a.device, batch_tokens=a.batch_tokens,
+                             code_share=a.code_share, pretokenize=a.pretokenize)
+    if a.pretokenize:
+        if a.json:
+            print(json.dumps({"output": a.output, **{k: index[k] for k in ("sequences", "tokens", "scored",
+                                                                             "tokens_by_source", "complete")}}))
+        else:
+            print(f"pre-tokenized corpus in {a.output}: {index['tokens']} positions ({index['scored']} scored) in "
+                  f"{index['sequences']} sequences" + ("" if not index["complete"] else " (the corpus is exhausted)"))
+        return 0
     tokens = sum(s["tokens"] for s in index["shards"])
     scored = sum(s["scored"] for s in index["shards"])
     if a.json:
@@ -379,6 +429,10 @@ def add_inspect(sub) -> None:
     i.add_argument("--tree-png", default=None, metavar="FILE")
     i.add_argument("--trt-lint", action="store_true",
                    help="check every ONNX graph against TensorRT's operator table and restrictions (exit 1 on errors)")
+    i.add_argument("--sm90", action="store_true",
+                   help="build the Triton kernels this engine's decode steps launch on a GPU for the H100/H200 "
+                        "(sm_90a, no GPU needed) and print registers, spills, shared memory and MMA (exit 1 on a "
+                        "spill, local memory or a failed build)")
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=cmd_inspect)
 
@@ -427,6 +481,23 @@ def add_train(sub) -> None:
                    help="corpora for the features: sharegpt,code (default both; code = the Python standard library)")
     t.add_argument("--feature-max-len", type=int, dest="feature_max_len", help="tokens per feature sequence "
                    "(default 1024)")
+    t.add_argument("--feature-stream", dest="feature_stream", metavar="DIR",
+                   help="a pre-tokenized corpus (`specc features --pretokenize`) whose features the target computes "
+                        "while training reads them, a window at a time (nothing on disk): for a GPU")
+    t.add_argument("--pack-tokens", type=int, dest="pack_tokens",
+                   help="--feature-stream, dflash / dspark: pack sequences back to back into records of up to this "
+                        "many positions, one record per step (default 0: one sequence)")
+    t.add_argument("--feature-precision", dest="feature_precision", choices=["float32", "tf32", "bfloat16"],
+                   help="--feature-stream: the target forward's precision (default float32; tf32: float32 with "
+                        "TensorFloat-32 products on CUDA; the held-out set is always float32)")
+    t.add_argument("--feature-batch-tokens", type=int, dest="feature_batch_tokens",
+                   help="--feature-stream: padded positions per target forward (default 32768)")
+    t.add_argument("--feature-window-tokens", type=int, dest="feature_window_tokens",
+                   help="--feature-stream: positions whose features are computed at once and held (default 524288)")
+    t.add_argument("--time-budget", type=float, dest="time_budget", metavar="SECONDS",
+                   help="end the steps after this many seconds (evaluated and saved there), the learning rate "
+                        "annealing by elapsed time as well as by step (default 0: no limit)")
+    t.add_argument("--device", default="cpu", help="cpu | cuda[:N]: where the target and the drafter run (default cpu)")
     t.add_argument("--smoke", action="store_true", help="a tiny random target and a few steps (for CI)")
     t.add_argument("--json", action="store_true")
     t.set_defaults(fn=cmd_train)
@@ -440,6 +511,16 @@ def add_features(sub) -> None:
     f.add_argument("--taps", type=int, default=3, help="DFlash target layers to keep (default 3, as train)")
     f.add_argument("--max-len", type=int, default=1024, dest="max_len", help="tokens per sequence (default 1024)")
     f.add_argument("--sources", default="sharegpt,code", help="sharegpt,code (default both)")
+    f.add_argument("--code-share", type=float, default=0.25, dest="code_share",
+                   help="share of the positions from the code source when both are used (default 0.25; the corpus "
+                        "ends when either source runs out)")
+    f.add_argument("--device", default="cpu", help="cpu | cuda[:N]: where the target runs (default cpu)")
+    f.add_argument("--batch-tokens", type=int, default=0, dest="batch_tokens",
+                   help="padded positions per target forward, several sequences at a time (default 0: one "
+                        "sequence per forward; a GPU wants about 32768)")
+    f.add_argument("--pretokenize", action="store_true",
+                   help="write the corpus' token ids and loss masks alone (no target forward), for "
+                        "`specc train --feature-stream DIR` on another machine")
     f.add_argument("--json", action="store_true")
     f.set_defaults(fn=cmd_features)
 

@@ -156,8 +156,10 @@ def rope(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def rope_tables(positions, head_dim: int, theta: float, dtype):
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+def rope_tables(positions, head_dim: int, theta: float, dtype, device=None):
+    """cos/sin [N, head_dim] at `positions` [N]; `device`: where the frequencies are made (training on
+    CUDA passes the positions' device; the step modules the compiler captures leave it unset)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
     freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -244,42 +246,63 @@ class DFlashDrafter(nn.Module):
         """x [M, H] block-row embeddings at `positions` [M]; ctx [N, H] at `ctx_positions` [N];
         mask [M, N + M] additive. Returns the final-normed hidden states [M, H]."""
         cfg = self.config
-        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
-        ccos, csin = rope_tables(ctx_positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        cos, sin = rope_tables(positions, cfg.head_dim, cfg.rope_theta, x.dtype, positions.device)
+        ccos, csin = rope_tables(ctx_positions, cfg.head_dim, cfg.rope_theta, x.dtype, ctx_positions.device)
         for layer in self.layers:
             k_ctx, v_ctx = layer.self_attn.kv(ctx, ccos, csin)
             x = layer(x, cos, sin, k_ctx, v_ctx, mask)
         return self.norm(x)
 
 
-def block_mask(anchors, ctx_len: int, block_size: int, lengths=None) -> torch.Tensor:
+def block_mask(anchors, ctx_len: int, block_size: int, lengths=None, ctx_from=None) -> torch.Tensor:
     """Training mask [nb*B, ctx_len + nb*B]: block j (anchor at position a_j) sees context rows at
     positions < a_j and its own rows (bidirectionally); nothing else. With `lengths` [nb], block j
     is only its first lengths[j] rows as keys: the block an engine running blocks of that size sees
-    (its rows past the length are computed but see nothing they would not, and are not scored)."""
-    nb, B = anchors.shape[0], block_size
-    row_block = torch.arange(nb * B) // B
-    ctx_ok = torch.arange(ctx_len).view(1, -1) < anchors[row_block].view(-1, 1)
+    (its rows past the length are computed but see nothing they would not, and are not scored).
+    With `ctx_from` [nb] (several sequences packed into one record), block j sees only context rows
+    from ctx_from[j] on: its own sequence's. Made on the anchors' device."""
+    nb, B, dev = anchors.shape[0], block_size, anchors.device
+    row_block = torch.arange(nb * B, device=dev) // B
+    cols = torch.arange(ctx_len, device=dev).view(1, -1)
+    ctx_ok = cols < anchors[row_block].view(-1, 1)
+    if ctx_from is not None:
+        ctx_ok = ctx_ok & (cols >= ctx_from[row_block].view(-1, 1))
     blk_ok = row_block.view(-1, 1) == row_block.view(1, -1)
     if lengths is not None:
-        blk_ok = blk_ok & ((torch.arange(nb * B) % B) < lengths[row_block]).view(1, -1)
+        blk_ok = blk_ok & ((torch.arange(nb * B, device=dev) % B) < lengths[row_block]).view(1, -1)
     return additive_mask(torch.cat((ctx_ok, blk_ok), dim=1))
 
 
+def segment_starts(segments, device=None) -> torch.Tensor:
+    """Per position [N], the first position of its sequence in a record that packs sequences of
+    lengths `segments` [K] back to back."""
+    segments = segments.to(device) if device is not None else segments
+    starts = torch.cumsum(segments, 0) - segments
+    return torch.repeat_interleave(starts, segments)
+
+
 def block_hidden(drafter: DFlashDrafter, embed: nn.Module, taps, tokens, anchors, block_size: int | None = None,
-                 lengths=None):
+                 lengths=None, starts=None):
     """Teacher-forced training forward over one sequence. taps [N, L*H] are the target's features of
     tokens [N]; each anchor a starts a block [tokens[a], MASK, ...] of `block_size` rows (default: the
     trained size) at positions a..a+B-1; `lengths` [nb] optionally shortens blocks (see block_mask).
-    Returns every block row's final-normed hidden state [nb, B, H]."""
+    `starts` [N] (segment_starts): the record packs several sequences; each position's RoPE position
+    counts from its sequence's start and a block sees its own sequence's context only, so every block
+    computes what it would in its sequence alone. Returns every block row's final-normed hidden state
+    [nb, B, H]."""
     cfg = drafter.config
-    B, nb = block_size or cfg.block_size, anchors.shape[0]
-    block = torch.full((nb, B), cfg.mask_token_id, dtype=torch.long)
+    B, nb, dev = block_size or cfg.block_size, anchors.shape[0], tokens.device
+    block = torch.full((nb, B), cfg.mask_token_id, dtype=torch.long, device=dev)
     block[:, 0] = tokens[anchors]
-    positions = (anchors.view(-1, 1) + torch.arange(B)).reshape(-1)
+    offset = starts[anchors] if starts is not None else torch.zeros_like(anchors)
+    positions = (anchors.view(-1, 1) - offset.view(-1, 1) + torch.arange(B, device=dev)).reshape(-1)
+    ctx_positions = torch.arange(taps.shape[0], device=dev)
+    if starts is not None:
+        ctx_positions = ctx_positions - starts
     x = embed(block.reshape(-1))
     ctx = drafter.context(taps)
-    h = drafter(x, positions, ctx, torch.arange(taps.shape[0]), block_mask(anchors, taps.shape[0], B, lengths))
+    mask = block_mask(anchors, taps.shape[0], B, lengths, offset if starts is not None else None)
+    h = drafter(x, positions, ctx, ctx_positions, mask)
     return h.view(nb, B, -1)
 
 

@@ -7,6 +7,7 @@ shipped since the curves were kept, every evaluation along the way) and `curve.p
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 ASSETS = Path(__file__).parent / "assets"
@@ -53,11 +54,18 @@ def ship(run_dir, kind: str, dtype: str = "float32", command: str | None = None)
     if summary["config"]["drafter"] != kind:
         raise SystemExit(f"{run_dir} holds a {summary['config']['drafter']} drafter, not {kind}.")
     dest.mkdir(parents=True, exist_ok=True)
-    for f in run_dir.glob("*.safetensors"):
+    files: dict[str, dict] = {}
+    for f in sorted(run_dir.glob("*.safetensors")):
+        # A drafter that came back from the GPU machine in parts (model-00001-of-00002...) ships as one file.
+        files.setdefault(re.sub(r"-\d{5}-of-\d{5}(?=\.safetensors$)", "", f.name), {}).update(load_file(str(f)))
+    for name, weights in files.items():
         # MTP checkpoints may carry copies of the target's embedding and head: the engine uses the target's own.
-        tensors = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in load_file(str(f)).items()
+        tensors = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in weights.items()
                    if not k.endswith(("shared_head.head.weight", "embed_tokens.weight"))}
-        save_file(tensors, str(dest / f.name))
+        save_file(tensors, str(dest / name))
+    for f in dest.glob("*.safetensors"):
+        if f.name not in files:  # the weights shipped before under another name: a loader would read them too
+            f.unlink()
     shutil.copy(run_dir / "config.json", dest / "config.json")
     progress, curve = run_dir / "train" / "progress.json", run_dir / "train" / "curve.png"
     if progress.is_file():  # the measured curve: what more steps would buy

@@ -10,6 +10,12 @@ Labels are always the target's own argmax at each position given the true prefix
 regenerated sequences (the default) a label is exactly what greedy verification will accept,
 and the held-out tau is the exact greedy acceptance length of a chain over those sequences.
 
+On a GPU (`--device cuda`): the target and the drafter live there, steps run under bf16 autocast,
+and `--feature-stream` reads a pre-tokenized corpus whose features the target computes on the fly
+(specc.features.FeatureStream), packing several sequences into one step's record (`--pack-tokens`);
+`--time-budget` bounds the steps by the clock, the learning rate annealing by elapsed time, so a run
+stopped by it ends annealed (examples/gpu_train.sh).
+
 Output directory: the drafter in its published format at the top (DFlash and DSpark: config.json +
 model.safetensors; MTP: the DeepSeek-V3 layout) with training.json (command, configuration, final
 held-out figures), and `train/` with the sequences (data.safetensors), the target's features
@@ -23,7 +29,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -72,6 +78,15 @@ class TrainConfig:
     feature_sources: str = "sharegpt,code"
     feature_max_len: int = 1024
     feature_shard_tokens: int = 1 << 17
+    # A pre-tokenized corpus (`specc features --pretokenize`) whose features the target computes while
+    # training reads them (FeatureStream); instead of --features. One record per step: a sequence, or
+    # several packed back to back up to pack_tokens positions (dflash, dspark).
+    feature_stream: str | None = None
+    pack_tokens: int = 0
+    feature_precision: str = "float32"  # the stream's target forward: float32 | tf32 | bfloat16
+    feature_batch_tokens: int = 1 << 15  # the stream's padded positions per target forward
+    feature_window_tokens: int = 1 << 19  # the stream's positions computed at once (held in memory)
+    time_budget: float = 0.0  # seconds of training steps (0: none); the schedule anneals by elapsed time too
 
     def __post_init__(self):
         if self.block_size is None:
@@ -86,7 +101,7 @@ class TrainConfig:
             raise SpeccError("--rows must not be negative (0 scores every counted row).")
         for name in ("layers", "prompts", "eval_prompts", "steps", "anchors", "response_len", "gen_batch",
                      "eval_every", "checkpoint_every", "markov_rank"):
-            if getattr(self, name) < (0 if name == "prompts" and self.features else 1):
+            if getattr(self, name) < (0 if name == "prompts" and (self.features or self.feature_stream) else 1):
                 raise SpeccError(f"--{name.replace('_', '-')} must be at least 1.")
         if self.init not in ("random", "target"):
             raise SpeccError(f"--init {self.init!r} is unknown; use random or target.")
@@ -99,6 +114,22 @@ class TrainConfig:
                              f"kept out of every feature extraction).")
         if self.block_size < (1 if self.drafter == "dspark" else 2):
             raise SpeccError(f"--block-size must be at least {1 if self.drafter == 'dspark' else 2} (one draft token).")
+        if self.features and self.feature_stream:
+            raise SpeccError("--features and --feature-stream are two sources of the same features; give one.")
+        if self.feature_stream and self.eval_prompts > HELD_OUT_RESERVE:
+            raise SpeccError(f"--eval-prompts may be at most {HELD_OUT_RESERVE} with --feature-stream (the "
+                             f"conversations kept out of every feature extraction).")
+        if self.pack_tokens and (not self.feature_stream or self.drafter == "mtp"):
+            raise SpeccError("--pack-tokens packs the sequences of a --feature-stream for dflash and dspark drafters.")
+        if self.pack_tokens < 0 or self.time_budget < 0 or min(self.feature_batch_tokens,
+                                                                self.feature_window_tokens) < 1:
+            raise SpeccError("--pack-tokens and --time-budget must not be negative, --feature-batch-tokens and "
+                             "--feature-window-tokens at least 1.")
+        from .features import PRECISIONS
+
+        if self.feature_precision not in PRECISIONS:
+            raise SpeccError(f"--feature-precision {self.feature_precision!r} is unknown; use "
+                             f"{', '.join(PRECISIONS)}.")
 
 
 HELD_OUT_RESERVE = 64  # the first ShareGPT prompts: held out of every feature extraction
@@ -158,8 +189,9 @@ def build_sequences(model, tokenizer, pairs, cfg: TrainConfig, eos: set[int], pr
     for b in bar:
         batch = [p for p, _ in items[b: b + cfg.gen_batch]]
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        dev = next(model.parameters()).device
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=dev)
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=dev)
         out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=cfg.response_len, do_sample=False,
                              pad_token_id=pad, eos_token_id=sorted(eos) or None)
         for p, row in zip(batch, out[:, width:].tolist()):
@@ -200,7 +232,7 @@ def load_sequences(path: Path):
 def target_view(model, ids, layer_ids):
     """One target forward over a sequence: taps [N, L*H] (decoder-layer outputs), the post-norm
     hidden [N, H] (lm_head's input) and labels [N] (labels[j] = the target's argmax for token j+1)."""
-    out = model(ids.view(1, -1), output_hidden_states=True)
+    out = model(ids.view(1, -1).to(next(model.parameters()).device), output_hidden_states=True)
     hs = out.hidden_states
     taps = torch.cat([hs[i + 1][0] for i in layer_ids], dim=-1) if layer_ids else None
     return taps, hs[-1][0], out.logits[0].argmax(-1)
@@ -215,18 +247,21 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def fast_dtype():
-    """bfloat16 where the CPU multiplies it natively (AVX512-BF16 / AMX: about 4x fp32 here), else None."""
+def fast_dtype(device="cpu"):
+    """bfloat16 where the device multiplies it natively (a CUDA GPU with bf16; a CPU with AVX512-BF16 /
+    AMX: about 4x fp32 here), else None."""
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
     try:
         return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported() else None
     except AttributeError:
         return None
 
 
-def response_loss(n: int, prompt_len: int) -> torch.Tensor:
+def response_loss(n: int, prompt_len: int, device=None) -> torch.Tensor:
     """The loss mask of a prompt + response sequence of n tokens: position j is scored when its label
     (the target's prediction of token j+1) continues the response, the last position's included."""
-    return torch.arange(n) >= prompt_len - 1
+    return torch.arange(n, device=device) >= prompt_len - 1
 
 
 @torch.no_grad()
@@ -244,12 +279,14 @@ def sequence_features(model, seqs, layer_ids, want_hidden: bool, regenerated: bo
         model = copy.deepcopy(model).to(dtype)
     out = []
     keep = dtype or torch.float32
+    dev = next(model.parameters()).device  # the records live where the target does
     for ids, plen in tqdm(seqs, desc=desc, unit="seq", disable=not progress):
+        ids = ids.to(dev)
         taps, hidden, labels = target_view(model, ids, layer_ids)
         if regenerated:
             labels = labels.clone()
             labels[plen - 1: len(ids) - 1] = ids[plen:]
-        rec = {"ids": ids, "labels": labels, "loss": response_loss(len(ids), plen)}
+        rec = {"ids": ids, "labels": labels, "loss": response_loss(len(ids), plen, dev)}
         if taps is not None:
             rec["taps"] = taps.to(keep)
         if want_hidden:
@@ -261,13 +298,13 @@ def sequence_features(model, seqs, layer_ids, want_hidden: bool, regenerated: bo
 def save_features(recs, path: Path, meta: dict) -> None:
     from safetensors.torch import save_file
 
-    t = {k: torch.cat([r[k] for r in recs]) for k in recs[0]}
+    t = {k: torch.cat([r[k] for r in recs]).cpu() for k in recs[0]}
     t["lengths"] = torch.tensor([len(r["ids"]) for r in recs])
     _atomic(path, lambda tmp: save_file(t, str(tmp), metadata={"meta": json.dumps(meta, sort_keys=True)}))
 
 
-def load_features(path: Path, meta: dict):
-    """The cached records, or None when absent or made for other settings."""
+def load_features(path: Path, meta: dict, device="cpu"):
+    """The cached records (on `device`), or None when absent or made for other settings."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -276,7 +313,7 @@ def load_features(path: Path, meta: dict):
     with safe_open(str(path), "pt") as f:
         if (f.metadata() or {}).get("meta") != json.dumps(meta, sort_keys=True) or "loss" not in f.keys():
             return None
-    t = load_file(str(path))
+    t = load_file(str(path), device=str(device))
     lens = t.pop("lengths").tolist()
     parts = {k: v.split(lens) for k, v in t.items()}
     return [{k: parts[k][i] for k in parts} for i in range(len(lens))]
@@ -323,12 +360,17 @@ class DFlashTrainer:
     a few training sequences (a fixed vector), and the saved fc.weight has that scale folded back in:
     the checkpoint is the published format and computes exactly the trained function.
 
-    `rec` arguments are one sequence's record (sequence_features / specc.features)."""
+    `rec` arguments are one sequence's record (sequence_features / specc.features), or several
+    sequences packed back to back with their lengths in `segments` (FeatureStream): each block then
+    sees its own sequence's context only, at positions counted from that sequence's start, and its rows
+    count only inside it, so a packed record trains what its sequences would one by one. The drafter
+    lives on the target's device, and the records must too."""
 
     def __init__(self, model, cfg: TrainConfig, mask_token_id: int, recs=()):
         from .dflash import DFlashDrafter, dflash_config_for, position_weights
 
         self.model, self.cfg = model, cfg
+        self.device = next(model.parameters()).device
         self.drafter = DFlashDrafter(dflash_config_for(model.config, num_layers=cfg.layers, block_size=cfg.block_size,
                                                        num_taps=cfg.taps, mask_token_id=mask_token_id))
         # The target's final norm is where the drafter's output lands (its LM head's input): start there.
@@ -338,11 +380,12 @@ class DFlashTrainer:
                 copy_target_layers(self.drafter.layers, model)
         self.embed = model.get_input_embeddings()
         self.head = model.get_output_embeddings().weight
-        self.weights = position_weights(cfg.block_size)
-        self.scale = torch.ones(self.drafter.fc.in_features)
+        self.weights = position_weights(cfg.block_size).to(self.device)
+        self.scale = torch.ones(self.drafter.fc.in_features, device=self.device)
         if recs:
             sq = torch.cat([r["taps"].float() for r in recs[:8]]).pow(2).mean(0)
-            self.scale = 1.0 / sq.sqrt().clamp(min=1e-3)
+            self.scale = (1.0 / sq.sqrt().clamp(min=1e-3)).to(self.device)
+        self.drafter.to(self.device)
 
     @property
     def layer_ids(self):
@@ -354,18 +397,25 @@ class DFlashTrainer:
         rows 0..B-1), whose label is the target's argmax one position earlier; a row counts where that
         position is scored and, past the first draft, where the text from a+1 on followed the target's
         greedy path (the only context a chain of drafts reaches). head=False: hidden states [nb, D, H]."""
-        from .dflash import block_hidden
+        from .dflash import block_hidden, segment_starts
 
         ids = rec["ids"].long()
+        dev, N = ids.device, len(ids)
+        starts = segment_starts(rec["segments"]) if "segments" in rec else None
         hidden = block_hidden(self.drafter, self.embed, rec["taps"].float() * self.scale, ids, anchors, block,
-                              lengths)[:, self.FIRST_ROW:]
-        D, N = hidden.shape[1], len(ids)
-        pos = anchors.view(-1, 1) + torch.arange(D)  # the label position of each row
-        inside = pos < N
-        pos = torch.where(inside, pos, N - 1)
+                              lengths, starts)[:, self.FIRST_ROW:]
+        D = hidden.shape[1]
+        pos = anchors.view(-1, 1) + torch.arange(D, device=dev)  # the label position of each row
+        if starts is None:
+            end = N
+        else:  # the end of each anchor's own sequence [nb, 1]
+            seg = rec["segments"]
+            end = torch.repeat_interleave(torch.cumsum(seg, 0), seg)[anchors].view(-1, 1)
+        inside = pos < end
+        pos = torch.where(inside, pos, end - 1)
         on_path = torch.ones_like(inside)
         if D > 1:  # the tokens before a row's own, from a+1 on, equal the labels one position earlier
-            follows = torch.cat([ids[1:] == rec["labels"][:-1].long(), torch.zeros(1, dtype=torch.bool)])
+            follows = torch.cat([ids[1:] == rec["labels"][:-1].long(), torch.zeros(1, dtype=torch.bool, device=dev)])
             on_path[:, 1:] = follows[pos[:, :-1]].cumprod(dim=1).bool()
         valid = inside & rec["loss"][pos] & on_path
         return (F.linear(hidden, self.head) if head else hidden), pos, valid
@@ -374,14 +424,15 @@ class DFlashTrainer:
 
     def _blocks(self, rec, gen):
         """Random anchors among the scored positions, each with a run-time block length; None if none."""
-        lo, N = _first_scored(rec), len(rec["ids"])
-        cand = lo + rec["loss"][lo:].nonzero().view(-1) if lo < N else torch.zeros(0, dtype=torch.long)
+        lo, N, dev = _first_scored(rec), len(rec["ids"]), rec["ids"].device
+        cand = lo + rec["loss"][lo:].nonzero().view(-1) if lo < N else torch.zeros(0, dtype=torch.long, device=dev)
         if len(cand) == 0:
             return None
-        anchors = cand[torch.randperm(len(cand), generator=gen)[: self.cfg.anchors]].sort().values
+        # The draws come from the CPU generator whatever the device: a run draws the same anchors anywhere.
+        anchors = cand[torch.randperm(len(cand), generator=gen)[: self.cfg.anchors].to(dev)].sort().values
         # Each block is as long as one of the run-time block sizes, so one drafter serves them all.
         sizes = torch.tensor(trained_blocks(self.cfg.block_size))
-        return anchors, sizes[torch.randint(len(sizes), (len(anchors),), generator=gen)]
+        return anchors, sizes[torch.randint(len(sizes), (len(anchors),), generator=gen)].to(dev)
 
     def loss(self, rec, gen):
         blocks = self._blocks(rec, gen)
@@ -389,7 +440,7 @@ class DFlashTrainer:
             return None
         anchors, lengths = blocks
         hidden, pos, valid = self._logits(rec, anchors, lengths=lengths, head=False)
-        drafting = torch.arange(self.FIRST_ROW, self.cfg.block_size) < lengths.view(-1, 1)
+        drafting = torch.arange(self.FIRST_ROW, self.cfg.block_size, device=lengths.device) < lengths.view(-1, 1)
         w = self.weights.view(1, -1) * valid * drafting
         rows = w.reshape(-1).nonzero().view(-1)  # the LM head (most of the compute) on counted rows only
         if len(rows) == 0:
@@ -412,22 +463,22 @@ class DFlashTrainer:
     def accepted(self, rec, block=None):
         """Per anchor with a full block (of `block` rows, default the trained size) inside the scored
         part of the sequence: drafts matching the target, as a chain."""
-        B, N = block or self.cfg.block_size, len(rec["ids"])
+        B, N, dev = block or self.cfg.block_size, len(rec["ids"]), rec["ids"].device
         drafts = B - self.FIRST_ROW
         lo, hi = _first_scored(rec), N - drafts
         if hi <= lo:
-            return torch.zeros(0, drafts, dtype=torch.bool)
+            return torch.zeros(0, drafts, dtype=torch.bool, device=dev)
         anchors = torch.arange(lo, hi)
-        anchors = anchors[torch.linspace(0, len(anchors) - 1, min(64, len(anchors))).long()]
+        anchors = anchors[torch.linspace(0, len(anchors) - 1, min(64, len(anchors))).long()].to(dev)
         logits, pos = self._draft_logits(rec, anchors, block)
         return logits.argmax(-1) == rec["labels"][pos].long()
 
     def save(self, path: Path) -> None:
         import copy
 
-        folded = copy.deepcopy(self.drafter)
+        folded = copy.deepcopy(self.drafter).cpu()
         with torch.no_grad():
-            folded.fc.weight.mul_(self.scale)
+            folded.fc.weight.mul_(self.scale.cpu())
         self._write(folded, path)
 
     def load(self, path: Path) -> None:
@@ -474,7 +525,8 @@ class DSparkTrainer(DFlashTrainer):
         self.drafter = DSparkDrafter(dflash_config_for(model.config, num_layers=cfg.layers, block_size=cfg.block_size,
                                                        num_taps=cfg.taps, mask_token_id=mask_token_id), cfg.markov_rank)
         self.drafter.load_state_dict(dense, strict=False)  # the backbone as DFlash's trainer set it up
-        self.weights = position_weights(cfg.block_size + 1)  # B drafts weighted like DFlash's B+1 block
+        self.drafter.to(self.device)
+        self.weights = position_weights(cfg.block_size + 1).to(self.device)  # B drafts weighted like DFlash's B+1
 
     def _heads(self, h, rec, pos):
         """(draft logits [R, V], confidence logits [R]) of rows h [R, H] whose labels sit at `pos`."""
@@ -549,7 +601,7 @@ class MTPTrainer:
         total, D, head = 0.0, self.depth, self.parts["lm_head"].weight
         for d, (h, rows) in enumerate(zip(self._hidden(rec), self.counted(rec)), start=1):
             if self.cfg.rows and len(rows) > self.cfg.rows:  # the LM head is most of the step: score a sample
-                rows = rows[torch.randperm(len(rows), generator=gen)[:self.cfg.rows]].sort().values
+                rows = rows[torch.randperm(len(rows), generator=gen)[:self.cfg.rows].to(rows.device)].sort().values
             if len(rows):
                 per_row = target_loss(F.linear(h[rows], head), rec, rows + d, self.cfg.soft)
                 if self.cfg.regress:
@@ -561,7 +613,7 @@ class MTPTrainer:
         """Per depth d = 1..D, the rows i that count (see loss)."""
         ids, labels = rec["ids"].long(), rec["labels"].long()
         follows = ids[1:] == labels[:-1]  # follows[j]: token j+1 is the target's greedy choice after j
-        on_path, out = torch.ones(len(ids), dtype=torch.bool), []
+        on_path, out = torch.ones(len(ids), dtype=torch.bool, device=ids.device), []
         for d in range(1, self.depth + 1):
             n = max(len(ids) - d, 0)
             if d >= 2:
@@ -574,9 +626,9 @@ class MTPTrainer:
         N, D = len(rec["ids"]), self.depth
         lo, hi = _first_scored(rec), N - D  # rows whose every depth has a label
         if hi <= lo:
-            return torch.zeros(0, D, dtype=torch.bool)
+            return torch.zeros(0, D, dtype=torch.bool, device=rec["ids"].device)
         hidden, head = self._hidden(rec), self.parts["lm_head"].weight
-        rows, labels = torch.arange(lo, hi), rec["labels"].long()
+        rows, labels = torch.arange(lo, hi, device=rec["ids"].device), rec["labels"].long()
         return torch.stack([F.linear(hidden[d - 1][rows], head).argmax(-1) == labels[rows + d]
                             for d in range(1, D + 1)], dim=1)
 
@@ -611,7 +663,15 @@ def tau_of(accepted: torch.Tensor, k: int | None = None) -> float:
 # ------------------------------------------------------------------------------- the loop
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, cfg: TrainConfig, elapsed: float | None = None) -> float:
+    """Linear warm-up over cfg.warmup of the run, then a cosine to zero at its end. The run's progress
+    is step / steps, or with cfg.time_budget the larger of that and elapsed / time_budget (seconds of
+    steps so far), so a run the clock stops is annealed when it stops."""
+    if cfg.time_budget and elapsed is not None:
+        frac = min(1.0, max((step + 1) / cfg.steps, elapsed / cfg.time_budget))
+        if frac < cfg.warmup:
+            return cfg.lr * frac / cfg.warmup
+        return cfg.lr * 0.5 * (1 + math.cos(math.pi * (frac - cfg.warmup) / max(1e-9, 1 - cfg.warmup)))
     warm = max(1, int(cfg.warmup * cfg.steps))
     if step < warm:
         return cfg.lr * (step + 1) / warm
@@ -626,9 +686,9 @@ def _save_state(opt, trainer, path: Path, step: int) -> None:
     for i, (name, p) in enumerate(trainer.named_parameters()):
         st = opt.state.get(p)
         if st:
-            tensors[f"{name}.exp_avg"] = st["exp_avg"].contiguous()
-            tensors[f"{name}.exp_avg_sq"] = st["exp_avg_sq"].contiguous()
-            tensors[f"{name}.step"] = torch.as_tensor(st["step"]).reshape(())
+            tensors[f"{name}.exp_avg"] = st["exp_avg"].contiguous().cpu()
+            tensors[f"{name}.exp_avg_sq"] = st["exp_avg_sq"].contiguous().cpu()
+            tensors[f"{name}.step"] = torch.as_tensor(st["step"]).reshape(()).cpu()
     _atomic(path, lambda tmp: save_file(tensors, str(tmp)))
 
 
@@ -638,7 +698,8 @@ def _load_state(opt, trainer, path: Path) -> int:
     t = load_file(str(path))
     for name, p in trainer.named_parameters():
         if f"{name}.exp_avg" in t:
-            opt.state[p] = {"exp_avg": t[f"{name}.exp_avg"].clone(), "exp_avg_sq": t[f"{name}.exp_avg_sq"].clone(),
+            opt.state[p] = {"exp_avg": t[f"{name}.exp_avg"].to(p.device),
+                            "exp_avg_sq": t[f"{name}.exp_avg_sq"].to(p.device),
                             "step": t[f"{name}.step"].clone().float()}
     return int(t["step"])
 
@@ -708,16 +769,19 @@ def _check_run_dir(out: Path, cfg: TrainConfig) -> dict | None:
     if not progress_file.is_file():
         return None
     resumed = json.loads(progress_file.read_text())
-    if resumed["config"] != asdict(cfg):
-        changed = next(k for k in asdict(cfg) if resumed["config"].get(k) != asdict(cfg)[k])
+    # A run from before a setting existed ran with its default.
+    defaults = {f.name: f.default for f in fields(TrainConfig)}
+    saved = {**{k: defaults[k] for k in asdict(cfg) if k not in resumed["config"]}, **resumed["config"]}
+    if saved != asdict(cfg):
+        changed = next(k for k in asdict(cfg) if saved.get(k) != asdict(cfg)[k])
         raise SpeccError(f"{str(out)!r} holds a run with another configuration ({changed} was "
-                         f"{resumed['config'].get(changed)!r}); use a new -o directory to start over.")
+                         f"{saved.get(changed)!r}); use a new -o directory to start over.")
     return resumed
 
 
-def load_target(model, work: Path, smoke: bool):
-    """(target, tokenizer, EOS ids, name): the target frozen for inference; with `smoke` a tiny random Llama
-    over MODEL's tokenizer, saved in work/smoke-target. Creates `work`."""
+def load_target(model, work: Path, smoke: bool, device: str = "cpu"):
+    """(target, tokenizer, EOS ids, name): the target frozen for inference on `device`; with `smoke` a tiny
+    random Llama over MODEL's tokenizer, saved in work/smoke-target. Creates `work`."""
     from .models import load_model
 
     loaded = load_model(model, torch.float32)
@@ -726,7 +790,7 @@ def load_target(model, work: Path, smoke: bool):
         raise SpeccError("training needs the target's tokenizer with a chat template.")
     work.mkdir(parents=True, exist_ok=True)
     target = smoke_target(work / "smoke-target", tokenizer) if smoke else loaded.model
-    target.requires_grad_(False).eval()
+    target.requires_grad_(False).eval().to(device)
     eos = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
     # MODEL's generation config can name more EOS ids (chat end-of-turn tokens) than its tokenizer.
     gen_cfg = getattr(loaded.model, "generation_config", None)
@@ -736,7 +800,7 @@ def load_target(model, work: Path, smoke: bool):
     return target, tokenizer, eos, f"smoke:{loaded.name}" if smoke else loaded.name
 
 
-def _run_sequences(target, tokenizer, eos: set[int], cfg: TrainConfig, out: Path, progress: bool):
+def run_sequences(target, tokenizer, eos: set[int], cfg: TrainConfig, out: Path, progress: bool):
     """(training, held-out) sequences, cached in the run directory: regenerating is the slow part."""
     work = out / "train"
     data_file, eval_file, data_meta = work / "data.safetensors", work / "eval.safetensors", work / "data.json"
@@ -767,7 +831,7 @@ def _run_features(target, seqs, held, cfg: TrainConfig, work: Path, fast, progre
     want_hidden = cfg.drafter == "mtp" or cfg.regress > 0
     fmeta = {**{k: asdict(cfg)[k] for k in DATA_FIELDS}, "drafter": cfg.drafter, "layer_ids": layer_ids,
              "dtype": str(fast), "hidden": want_hidden}
-    recs = load_features(work / "features.safetensors", fmeta) if seqs else []
+    recs = load_features(work / "features.safetensors", fmeta, next(target.parameters()).device) if seqs else []
     if recs is None:
         recs = sequence_features(target, seqs, layer_ids, want_hidden, cfg.labels == "regenerate", fast, progress,
                                  "target features")
@@ -781,13 +845,15 @@ def _layer_ids(target, cfg: TrainConfig) -> list[int]:
     return default_layer_ids(target.config.num_hidden_layers, cfg.taps) if cfg.drafter != "mtp" else []
 
 
-def feature_spec(target, name: str, taps: int, max_len: int, sources: str, shard_tokens: int = 1 << 17):
+def feature_spec(target, name: str, taps: int, max_len: int, sources: str, shard_tokens: int = 1 << 17,
+                 code_share: float = 0.25):
     """The FeatureSpec of a run: taps and hidden both, so one extraction serves MTP, DFlash and DSpark."""
     from .dflash import default_layer_ids
     from .features import FeatureSpec
 
     return FeatureSpec(taps=tuple(default_layer_ids(target.config.num_hidden_layers, taps)), hidden=True,
-                       max_len=max_len, sources=tuple(sources.split(",")), model=name, shard_tokens=shard_tokens)
+                       max_len=max_len, sources=tuple(sources.split(",")), model=name, shard_tokens=shard_tokens,
+                       code_share=code_share)
 
 
 def feature_exclusions() -> set[str]:
@@ -798,23 +864,36 @@ def feature_exclusions() -> set[str]:
 
 
 def extract_features(model, folder, tokens: int, taps: int = 3, max_len: int = 1024, sources: str = "sharegpt,code",
-                     progress: bool = True, log=print) -> dict:
+                     progress: bool = True, log=print, device: str = "cpu", batch_tokens: int = 0,
+                     code_share: float = 0.25, pretokenize: bool = False) -> dict:
     """`specc features`: extract (or extend) a features folder for MODEL, the same as `specc train
-    --features FOLDER --feature-tokens N` would, without training."""
-    from .features import FeatureSpec, extract
+    --features FOLDER --feature-tokens N` would, without training; on `device`, `batch_tokens` positions
+    per padded forward (0: one sequence per forward). `pretokenize`: write the corpus' token ids and loss
+    masks alone (TokenCorpus, for `specc train --feature-stream`); returns its meta then."""
+    from .backends import check_device
+    from .features import FeatureSpec, TokenCorpus, extract
 
     if tokens < 1:
         raise SpeccError("--tokens must be at least 1.")
-    FeatureSpec(max_len=max_len, sources=tuple(sources.split(","))).check()  # before the target loads (and mkdir)
-    target, tokenizer, _, name = load_target(model, Path(folder), False)
-    spec = feature_spec(target, name, taps, max_len, sources)
+    if batch_tokens < 0:
+        raise SpeccError("--batch-tokens must not be negative.")
+    device = check_device(device)
+    # before the target loads (and mkdir)
+    FeatureSpec(max_len=max_len, sources=tuple(sources.split(",")), code_share=code_share).check()
+    target, tokenizer, _, name = load_target(model, Path(folder), False, "cpu" if pretokenize else device)
+    spec = feature_spec(target, name, taps, max_len, sources, code_share=code_share)
     torch.set_num_threads(usable_cpus())
-    return extract(target, tokenizer, spec, folder, tokens, feature_exclusions(), progress, log)
+    if pretokenize:
+        return TokenCorpus.write(folder, tokenizer, spec, tokens, feature_exclusions(), progress)
+    return extract(target, tokenizer, spec, folder, tokens, feature_exclusions(), progress, log, batch_tokens)
 
 
 def _feature_store(target, tokenizer, cfg: TrainConfig, name: str, progress: bool, log, shards: int | None = None):
     """The teacher-forced features of cfg.features (extracted up to cfg.feature_tokens first), or None;
-    `shards`: a resumed run's count (it reads those, whatever was extracted since)."""
+    `shards`: a resumed run's count (it reads those, whatever was extracted since). With cfg.feature_stream,
+    the FeatureStream of that pre-tokenized corpus."""
+    if cfg.feature_stream:
+        return _feature_stream(target, tokenizer, cfg)
     if not cfg.features:
         return None
     from .features import Features, extract
@@ -829,23 +908,47 @@ def _feature_store(target, tokenizer, cfg: TrainConfig, name: str, progress: boo
     return store
 
 
+def _feature_stream(target, tokenizer, cfg: TrainConfig):
+    """The FeatureStream of cfg.feature_stream: the corpus' sequences, the features this drafter reads
+    (taps for DFlash / DSpark, the last hidden state for MTP or --regress, the corpus' top-k)."""
+    import dataclasses
+
+    from .features import FeatureStream, TokenCorpus, tokenizer_digest
+
+    corpus = TokenCorpus.open(cfg.feature_stream)
+    if corpus.meta["tokenizer"] != tokenizer_digest(tokenizer):
+        raise SpeccError(f"the corpus in {cfg.feature_stream!r} was tokenized with another tokenizer than this "
+                         f"target's; pre-tokenize it with this target.")
+    spec = dataclasses.replace(corpus.spec, taps=tuple(_layer_ids(target, cfg)),
+                               hidden=cfg.drafter == "mtp" or cfg.regress > 0)
+    return FeatureStream(corpus, target, spec, cfg.seed, cfg.pack_tokens, cfg.feature_batch_tokens,
+                         cfg.feature_window_tokens, cfg.feature_precision)
+
+
 class Draws:
     """The record a training step uses: from the regenerated sequences or the feature store, in
-    proportion to their numbers of sequences; a function of the step, so a resumed run draws the same."""
+    proportion to their numbers of sequences; a function of the step, so a resumed run draws the same.
+    Records are handed out on `device` (a features folder's shards are read to the CPU)."""
 
-    def __init__(self, recs: list, store, seed: int):
+    def __init__(self, recs: list, store, seed: int, device="cpu"):
         self.recs, self.store, self.seed = recs, store, seed
         self.n_store = store.sequences if store is not None else 0
+        self.device = torch.device(device)
 
     def __len__(self) -> int:
         return len(self.recs) + self.n_store
 
+    def _on_device(self, rec: dict) -> dict:
+        if rec["ids"].device == self.device:
+            return rec
+        return {k: v.to(self.device, non_blocking=True) for k, v in rec.items()}
+
     def first(self, n: int) -> list:
-        return (self.recs + (self.store.shard(0) if self.store is not None else []))[:n]
+        return [self._on_device(r) for r in (self.recs + (self.store.first(n) if self.store is not None else []))[:n]]
 
     def __call__(self, step: int, gen) -> dict:
         i = int(torch.randint(len(self), (1,), generator=gen))
-        return self.recs[i] if i < len(self.recs) else self.store.record(step, self.seed)
+        return self.recs[i] if i < len(self.recs) else self._on_device(self.store.record(step, self.seed))
 
 
 def _checkpoint(out: Path, trainer, opt, progress_doc: dict, step: int) -> None:
@@ -859,21 +962,25 @@ def _checkpoint(out: Path, trainer, opt, progress_doc: dict, step: int) -> None:
 
 
 def _train_steps(trainer, opt, cfg: TrainConfig, draw, held, history: list, start: int, checkpoint, fast,
-                 progress: bool) -> float:
+                 progress: bool, device="cpu") -> dict:
     """Steps start..cfg.steps, appending to `history` (an evaluation every eval_every steps) and calling
-    checkpoint(step) every checkpoint_every steps and at the end; returns the seconds they took."""
+    checkpoint(step) every checkpoint_every steps and at the end. With cfg.time_budget the steps also end
+    once that many seconds have passed (evaluated and checkpointed there). Returns the seconds they
+    took, the last step done, whether the clock ended them, and the positions of the records read."""
+    t0, running, positions, stopped = time.perf_counter(), None, 0, False
     if start == 0:
         history.append({"step": 0, "eval": evaluate(trainer, held)})
         checkpoint(0)
     bar = tqdm(range(start, cfg.steps), desc=f"train {cfg.drafter}", unit="step", disable=not progress,
                initial=start, total=cfg.steps)
-    t0, running = time.perf_counter(), None
+    done = start
     for step in bar:
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)  # a resumed run draws the same data
         rec = draw(step, gen)
+        positions += len(rec["ids"])
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
-        with torch.autocast("cpu", dtype=fast, enabled=fast is not None):  # fp32 master weights
+            g["lr"] = lr_at(step, cfg, time.perf_counter() - t0)
+        with torch.autocast(torch.device(device).type, dtype=fast, enabled=fast is not None):  # fp32 master weights
             loss = trainer.loss(rec, gen)
         done = step + 1
         entry = {"step": done}
@@ -884,31 +991,38 @@ def _train_steps(trainer, opt, cfg: TrainConfig, draw, held, history: list, star
             opt.step()
             running = float(loss) if running is None else 0.95 * running + 0.05 * float(loss)
             entry["loss"] = round(float(loss), 4)
-        if done % cfg.eval_every == 0 or done == cfg.steps:
+        stopped = bool(cfg.time_budget) and time.perf_counter() - t0 >= cfg.time_budget and done < cfg.steps
+        last = done == cfg.steps or stopped
+        if done % cfg.eval_every == 0 or last:
             entry["eval"] = evaluate(trainer, held)
             bar.set_postfix(loss=f"{running or float('nan'):.3f}", tau=entry["eval"]["tau"])
         else:
             bar.set_postfix(loss=f"{running or float('nan'):.3f}")
         history.append(entry)
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps:
+        if done % cfg.checkpoint_every == 0 or last:
             checkpoint(done)
+        if stopped:
+            break
     bar.close()
-    return time.perf_counter() - t0
+    return {"train_s": time.perf_counter() - t0, "steps": done, "stopped_by_time": stopped, "positions": positions}
 
 
 def _write_training_json(out: Path, res: dict, cfg: TrainConfig, command: str | None, compute_dtype: str) -> None:
     # Beside the weights: what produced them, so a copied (shipped) drafter still says how it was trained.
-    summary = {"command": command, "config": asdict(cfg), "step": cfg.steps, "sequences": res["sequences"],
+    summary = {"command": command, "config": asdict(cfg), "step": res["steps"], "sequences": res["sequences"],
                "held_out": res["held_out"], "compute_dtype": compute_dtype, "eval": res["eval"],
                "finished": time.strftime("%Y-%m-%d"), "last_session_train_s": res["train_s"]}
+    if res.get("device", "cpu") != "cpu" or cfg.feature_stream or cfg.time_budget:  # a GPU / streamed run's figures
+        summary.update({k: res.get(k) for k in ("device", "stopped_by_time", "positions", "feature_positions")})
     _atomic(out / "training.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=1)))
 
 
 def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke: bool = False,
-          progress: bool = True, log=print, command: str | None = None) -> dict:
+          progress: bool = True, log=print, command: str | None = None, device: str = "cpu") -> dict:
     """Train a drafter for MODEL (HF dir, .gguf, or None: the embedded SmolLM2) into output_dir.
     `smoke`: the target is a tiny random Llama over MODEL's tokenizer (saved in train/smoke-target),
-    and the default config is SMOKE."""
+    and the default config is SMOKE. `device`: where the target and the drafter run (cpu, cuda[:N])."""
+    from .backends import check_device
     from .dflash import choose_mask_token
 
     cfg = config or (TrainConfig(**SMOKE) if smoke else TrainConfig())
@@ -917,16 +1031,17 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
         raise SpeccError("an output directory is required (-o DIR).")
     out = Path(output_dir)
     work = out / "train"
+    device = check_device(device)
     resumed = _check_run_dir(out, cfg)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(usable_cpus())
-    target, tokenizer, eos, name = load_target(model, work, smoke)
-    seqs, held = _run_sequences(target, tokenizer, eos, cfg, out, progress)
-    fast = fast_dtype()
+    target, tokenizer, eos, name = load_target(model, work, smoke, device)
+    seqs, held = run_sequences(target, tokenizer, eos, cfg, out, progress)
+    fast = fast_dtype(device)
     recs, held_recs = _run_features(target, seqs, held, cfg, work, fast, progress)
     store = _feature_store(target, tokenizer, cfg, name, progress, log,
                            resumed.get("feature_shards") if resumed is not None else None)
-    draw = Draws(recs, store, cfg.seed)
+    draw = Draws(recs, store, cfg.seed, device)
 
     # Drafter and optimizer, from the last checkpoint when resuming.
     mask = choose_mask_token(tokenizer, target.config.vocab_size)
@@ -942,13 +1057,15 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
     # progress.json's keys in their historical order; _checkpoint fills in "step".
     progress_doc = {"config": asdict(cfg), "step": step, "sequences": len(draw), "held_out": len(held),
                     "mask_token_id": mask, "compute_dtype": compute_dtype, "history": history,
-                    "feature_shards": len(store.index["shards"]) if store is not None else None}
+                    "feature_shards": len(store.index["shards"]) if hasattr(store, "index") else None}
 
     checkpoint = functools.partial(_checkpoint, out, trainer, opt, progress_doc)
-    train_s = _train_steps(trainer, opt, cfg, draw, held_recs, history, step, checkpoint, fast, progress)
+    ran = _train_steps(trainer, opt, cfg, draw, held_recs, history, step, checkpoint, fast, progress, device)
     final = next((h["eval"] for h in reversed(history) if "eval" in h), None)
-    res = {"output": str(out), "drafter": cfg.drafter, "steps": cfg.steps, "sequences": len(draw),
-           "held_out": len(held), "train_s": round(train_s, 1), "eval": final,
-           "smoke_target": str(work / "smoke-target") if smoke else None}
+    res = {"output": str(out), "drafter": cfg.drafter, "steps": ran["steps"], "sequences": len(draw),
+           "held_out": len(held), "train_s": round(ran["train_s"], 1), "eval": final,
+           "smoke_target": str(work / "smoke-target") if smoke else None, "device": device,
+           "stopped_by_time": ran["stopped_by_time"], "positions": ran["positions"],
+           "feature_positions": getattr(store, "positions", None)}
     _write_training_json(out, res, cfg, command, compute_dtype)
     return res

@@ -434,6 +434,26 @@ def test_inspect_passes_and_tree_png(result):
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 
+@job("test_inspect_sm90", "ngram")
+def _(c: Ctx):
+    return c.specc("inspect", c.engine("ngram"), "--sm90", "--json")
+
+
+def test_inspect_sm90(result):
+    """The engine's decode-step kernels built for the H100 (sm_90a) without a GPU, or one sentence why not."""
+    from specc.kernels.hopper_build import available
+
+    if available() is not None:
+        assert_user_error(result, "sm_90a")
+        return
+    assert_ok(result)
+    report = json.loads(result.stdout)
+    assert report["tree_sizes"] == [1, 4] and report["shape"]["vocab"] == 64
+    kernels = {r["kernel"] for r in report["rows"]}
+    assert {"_tree_attention_kernel", "_rows_linear_kernel", "_greedy_walk_kernel", "_compact_kv_kernel"} <= kernels
+    assert all(r["ok"] and not r["problems"] for r in report["rows"])
+
+
 @job("test_recompile_replaces_the_engine", "short", slow=True)
 def _(c: Ctx):
     # Compile into an existing engine directory: a copy of "short" plus a stray file.
