@@ -1,6 +1,6 @@
 """`specc bench`: tau, tokens/s and speedups on a prompt set, side by side in one run.
 
-Measurement protocol (DESIGN.md): same machine, same run, same prompts, batch 1, greedy, a fixed
+Measurement protocol (docs/development.md): same machine, same run, same prompts, batch 1, greedy, a fixed
 number of new tokens (EOS does not stop any method), warm-up excluded, medians quoted. Baselines:
 (a) plain autoregressive decoding through the same engine and backend, (b) Hugging Face
 `generate()` of the same weights.

@@ -1,6 +1,6 @@
 """What every benchmark script shares: the machine header, the common arguments, and BENCHMARKS.md.
 
-BENCHMARKS.md (DESIGN.md, "Measurement protocol") opens with "## Current figures": one table built
+BENCHMARKS.md (docs/development.md, "Measurement protocol") opens with "## Current figures": one table built
 from the runs under "## History", which are dated sections, newest first. Each run section carries
 its figures as JSON in an HTML comment right under its heading:
 

@@ -1,4 +1,4 @@
-"""DFlash: a block-diffusion drafter conditioned on the target's hidden states (REFERENCE.md §3).
+"""DFlash: a block-diffusion drafter conditioned on the target's hidden states (arXiv 2602.06036).
 
 The drafter is a few Qwen3-style decoder layers with no embedding and no LM head of its own (it
 uses the target's, frozen). One forward drafts a whole block: the input is [anchor, MASK x (B-1)]

@@ -1,4 +1,4 @@
-"""DSpark: DFlash's block drafter, made semi-autoregressive, with a confidence head (REFERENCE.md §4).
+"""DSpark: DFlash's block drafter, made semi-autoregressive, with a confidence head (arXiv 2607.05147).
 
 The backbone is DFlash's (specc/dflash.py): a few decoder layers over the context features of the
 committed tokens and a block [anchor, MASK x (B-1)] at positions start..start+B-1. Two changes:

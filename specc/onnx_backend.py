@@ -34,7 +34,7 @@ from torch import nn
 from .errors import SpeccError
 from .pipeline import canonical_name, example_inputs
 
-OPSET = 24  # TensorScatter-24; TensorRT 10.15 parses opsets 9-24 (REFERENCE.md section 8)
+OPSET = 24  # TensorScatter-24; TensorRT 10.15's ONNX parser takes opsets 9-24
 WEIGHTS, WEIGHTS_INDEX = "weights.data", "weights.index.json"
 ALIGN = 4096  # each tensor's offset in the data file: page-aligned, so it can be memory-mapped
 INLINE_BYTES = 1024

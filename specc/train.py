@@ -505,7 +505,7 @@ class DFlashTrainer:
 
 class DSparkTrainer(DFlashTrainer):
     """DFlash's trainer (fc on scaled inputs, anchors, run-time block sizes, the greedy-path mask)
-    with every block row scored and DSpark's heads and loss (REFERENCE.md §4): per row k (weight
+    with every block row scored and DSpark's heads and loss (arXiv 2607.05147): per row k (weight
     exp(-k/gamma)), 0.1 x cross-entropy to the target's argmax + 0.9 x the total variation between the
     drafter's and the target's distributions + 1.0 x a cross-entropy of the confidence head toward
     1 - TV (TV held fixed there). The target's distribution is its top-k from the features plus one

@@ -2,7 +2,7 @@
 
 No machine of this project can install TensorRT, so its ONNX parser's rules are checked here, from
 the operator table in specc/trt_ops.py (transcribed from onnx-tensorrt, version stated there) and
-the restrictions that matter for a specc step graph (REFERENCE.md section 8):
+the restrictions that matter for a specc step graph (TensorRT 10.15's ONNX parser documentation):
 
 * the default-domain opset lies in TensorRT's range; no custom domains (a specc op must have been
   translated to standard operators);

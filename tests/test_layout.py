@@ -1,4 +1,4 @@
-"""The package's shape (DESIGN.md "Layout" and "Inside the package"), checked on the source itself:
+"""The package's shape (docs/how-it-works.md, "The pipeline"), checked on the source itself:
 kernels/ does not shadow Hugging Face's `kernels`, no import cycles, no private names imported
 across modules, no long functions, no drafter branching outside the drafter kinds."""
 from __future__ import annotations
@@ -169,3 +169,34 @@ def test_every_kind_implements_the_protocol():
         assert all(callable(getattr(kind, f, None)) for f in functions), name
         if kind.MEASURED_TREES:
             assert callable(getattr(kind, "calibration_depth", None)), name
+
+
+def tracked_text_files() -> list[Path]:
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip("not a git checkout")
+    files = [ROOT / f for f in out.stdout.splitlines()]
+    return [f for f in files if f.is_file() and f.suffix in (".py", ".md", ".sh", ".toml", ".cpp", ".txt", "")
+            and f.stat().st_size < 2 << 20]
+
+
+def test_nothing_refers_outside_the_repository():
+    """The documentation lives in the repository: no file points at design notes kept beside it."""
+    outside = re.compile(r"DESIGN\.md|REFERENCE\.md|\.\./shared\b")
+    offenders = [str(f.relative_to(ROOT)) for f in tracked_text_files()
+                 if f.name != "test_layout.py" and outside.search(f.read_text(errors="replace"))]
+    assert not offenders, offenders
+
+
+def test_readme_is_short_and_every_documentation_link_resolves():
+    """README.md: the two commands, what specc is, a quick start, where to read more (about 150 lines at
+    most); every relative link of README, docs/ and BENCHMARKS.md names a file that exists."""
+    readme = ROOT / "README.md"
+    assert len(readme.read_text().splitlines()) <= 150
+    top = "\n".join(readme.read_text().splitlines()[:8])
+    assert "make demo" in top and "make test" in top  # the two commands first
+    for doc in [readme, ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
+            if "://" in target:
+                continue
+            assert (doc.parent / target).exists(), f"{doc.relative_to(ROOT)} links to missing {target}"
