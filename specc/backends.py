@@ -18,6 +18,7 @@ import hashlib
 import os
 import re
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -30,16 +31,25 @@ from .models import cache_dir
 from .pipeline import canonical_name
 from .saved_program import load_program, save_program
 
-BACKENDS = ("eager", "inductor", "onnx", "tensorrt")
+def get_backend(name: str) -> "Backend":
+    """The registered backend of that name (KINDS, at the end of this module), or one sentence why not."""
+    if name not in KINDS:
+        raise SpeccError(f"--backend {name!r} is unknown; use one of {', '.join(KINDS)}.")
+    return KINDS[name]
 
 
-def check_backend(name: str) -> None:
-    if name not in BACKENDS:
-        raise SpeccError(f"--backend {name!r} is unknown; use one of {', '.join(BACKENDS)}.")
-    if name in ("onnx", "tensorrt"):  # tensorrt: the onnx graphs, built into engines where they run
-        from .onnx_backend import require_onnx
+def check_backend(name: str) -> "Backend":
+    """get_backend, and what the backend needs installed (onnx) checked now."""
+    backend = get_backend(name)
+    if backend.requires is not None:
+        backend.requires()
+    return backend
 
-        require_onnx()
+
+def backends_with(test: Callable[["Backend"], bool]) -> str:
+    """The names of the backends that pass `test`, for a sentence ("eager, inductor and onnx")."""
+    names = [n for n, b in KINDS.items() if test(b)]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def check_device(device: str) -> str:
@@ -249,11 +259,16 @@ def cache_key(lifted_ep: torch.export.ExportedProgram, sub: dict, example_args: 
 def lowering_passes(backend: str, device: str) -> list[tuple[str, Callable]]:
     """Passes that run on the program just before the backend compiles it, as they depend on the
     device (the graph plans do not: one plan serves every device)."""
-    if backend == "inductor" and torch.device(device).type == "cpu":
+    return get_backend(backend).passes(device)
+
+
+def _inductor_passes(device: str) -> list[tuple[str, Callable]]:
+    """On CPU, attention over the cache's filled prefix; on CUDA, every decode product row-invariant."""
+    if torch.device(device).type == "cpu":
         from specc.passes.attend_prefix import attend_prefix
 
         return [("attend_prefix", attend_prefix)]
-    if backend == "inductor" and torch.device(device).type == "cuda":
+    if torch.device(device).type == "cuda":
         from specc.passes.matvec import decode_products
 
         return [("decode_products", decode_products)]
@@ -329,32 +344,119 @@ def lower_graph(backend: str, ep: torch.export.ExportedProgram, state: dict[str,
     """Lower one finished program into the engine directory `folder`; returns its manifest fields
     (the file, relative to `folder`, and what loading it needs)."""
     (folder / "graphs").mkdir(exist_ok=True)
-    if backend == "eager":
-        return save_program(ep, state, folder, name)
-    if backend in ("onnx", "tensorrt"):
-        from .onnx_backend import lower_onnx
-
-        entry = lower_onnx(ep, state, folder, name)
-        if backend == "tensorrt":
-            require_trt_clean(folder, entry)
-        return entry
-    rel, passes = f"graphs/{name}.pt2", lowering_passes(backend, device)
-    keys = compile_inductor(on_device(ep, device, state), state, folder / rel,
-                            tuple(a.to(device) for a in example_args), passes)
-    return {"file": rel, "state_keys": keys, "lowering": [n for n, _ in passes]}
+    return get_backend(backend).lower(ep, state, folder, name, example_args, device)
 
 
 def open_graph(backend: str, folder: Path, entry: dict, state: dict[str, torch.Tensor], device: str,
                cuda_graphs: bool = False):
     """The callable for one graph of an engine."""
-    if backend == "eager":
-        return EagerGraph(on_device(load_program(folder, entry, state), device, state), state)
-    if backend == "onnx":
-        from .onnx_backend import OnnxGraph
+    return get_backend(backend).open(folder, entry, state, device, cuda_graphs)
 
-        return OnnxGraph(folder, entry, state, device)
-    if backend == "tensorrt":
-        from .tensorrt import TensorRTGraph
 
-        return TensorRTGraph(folder, entry, state, device)
+# -- the backends -----------------------------------------------------------------------------------
+
+def _lower_eager(ep, state, folder, name, example_args, device) -> dict:
+    return save_program(ep, state, folder, name)
+
+
+def _open_eager(folder, entry, state, device, cuda_graphs=False):
+    return EagerGraph(on_device(load_program(folder, entry, state), device, state), state)
+
+
+def _lower_inductor(ep, state, folder, name, example_args, device) -> dict:
+    rel, passes = f"graphs/{name}.pt2", _inductor_passes(device)
+    keys = compile_inductor(on_device(ep, device, state), state, folder / rel,
+                            tuple(a.to(device) for a in example_args), passes)
+    return {"file": rel, "state_keys": keys, "lowering": [n for n, _ in passes]}
+
+
+def _open_inductor(folder, entry, state, device, cuda_graphs=False):
     return InductorGraph(folder / entry["file"], state, entry["state_keys"], single_threaded=cuda_graphs)
+
+
+def _run_eager(ep, state, folder, name, example_args, device):
+    return EagerGraph(ep, state)
+
+
+def _run_inductor(ep, state, folder, name, example_args, device):
+    path = folder / f"{name}.pt2"
+    return InductorGraph(path, state, compile_inductor(ep, state, path, example_args))
+
+
+def _lower_onnx(ep, state, folder, name, example_args, device) -> dict:
+    from .onnx_backend import lower_onnx
+
+    return lower_onnx(ep, state, folder, name)
+
+
+def _open_onnx(folder, entry, state, device, cuda_graphs=False):
+    from .onnx_backend import OnnxGraph
+
+    return OnnxGraph(folder, entry, state, device)
+
+
+def _lower_tensorrt(ep, state, folder, name, example_args, device) -> dict:
+    entry = _lower_onnx(ep, state, folder, name, example_args, device)
+    require_trt_clean(folder, entry)
+    return entry
+
+
+def _open_tensorrt(folder, entry, state, device, cuda_graphs=False):
+    from .tensorrt import TensorRTGraph
+
+    return TensorRTGraph(folder, entry, state, device)
+
+
+def _require_onnx() -> None:
+    from .onnx_backend import require_onnx
+
+    require_onnx()
+
+
+def _check_built(manifest: dict, folder: Path) -> None:
+    from .tensorrt import check_built
+
+    check_built(manifest, folder)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What one backend is: how it lowers a finished program and opens what it wrote, and what it
+    supports, which the compile options are checked against (CompileConfig) and the compiler and
+    runtime look up instead of testing its name."""
+    name: str
+    label: str  # how a sentence names its engines
+    lower: Callable  # (ep, state, folder, name, example_args, device) -> the graph's manifest fields
+    open: Callable  # (folder, entry, state, device, cuda_graphs) -> graph(*inputs)
+    dtypes: tuple = (torch.float32, torch.bfloat16, torch.float16)
+    dtype_refusal: str = ""  # the sentence for another dtype
+    quants: tuple = ("none", "int8", "int4", "gguf")
+    quant_refusal: dict = field(default_factory=dict)  # quant -> what is missing for it here
+    devices: tuple = ("cpu", "cuda")  # device types its engines run on
+    built_later: bool = False  # graphs exported here and built into engines where they run (`specc build`)
+    products: str = "none"  # which graphs' few-row products the plans rewrite: all, verify (decode graphs), none
+    native_cpu: bool = False  # its graphs are native code on CPU, which may call specc's C++ products
+    cuda_graphs: bool = False  # its CUDA calls can be captured as CUDA graphs
+    locked: bool = False  # its engines run only under the torch version and on the device they were compiled for
+    onnx_files: bool = False  # its graphs are ONNX files (what `specc inspect --trt-lint` reads)
+    passes: Callable = lambda device: []  # lowering passes by device (lowering_passes)
+    run: Callable | None = None  # (lowered ep, state, folder, name, example_args, device) -> graph: row checks
+    requires: Callable | None = None  # what it needs installed, checked when an engine is configured
+    check_loadable: Callable | None = None  # (manifest, folder) before an engine loads
+
+
+ONNX_4BIT = "the ONNX lowering of 4-bit blocks is not built yet"
+KINDS: dict[str, Backend] = {b.name: b for b in (
+    Backend("eager", "eager", _lower_eager, _open_eager, products="verify", cuda_graphs=True, run=_run_eager),
+    Backend("inductor", "AOTInductor", _lower_inductor, _open_inductor, products="all", native_cpu=True,
+            cuda_graphs=True, locked=True, passes=_inductor_passes, run=_run_inductor),
+    Backend("onnx", "ONNX", _lower_onnx, _open_onnx, dtypes=(torch.float32, torch.float16),
+            dtype_refusal="the onnx backend runs float32 and float16 engines (onnxruntime has few bfloat16 "
+                          "kernels); use --dtype float32 or float16.",
+            quants=("none", "int8"), quant_refusal={"int4": ONNX_4BIT, "gguf": ONNX_4BIT}, onnx_files=True,
+            requires=_require_onnx),
+    Backend("tensorrt", "TensorRT", _lower_tensorrt, _open_tensorrt, quants=("none",),
+            quant_refusal={"int4": ONNX_4BIT, "gguf": ONNX_4BIT, "int8": "TensorRT engines of int8 weights are not "
+                                                                        "built yet"},
+            devices=("cuda",), built_later=True, onnx_files=True, requires=_require_onnx, check_loadable=_check_built),
+)}

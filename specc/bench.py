@@ -141,19 +141,23 @@ def drafter_label(report: dict) -> str:
     return f"{d['kind']}{block} {tree}{branch}{measured}{table}"
 
 
+# the backend BENCHMARKS.md's labels leave unsaid (most runs use it)
+QUIET_BACKEND = "inductor"
+
+
 def engine_label(manifest: dict) -> str:
     """The configuration an engine runs, as BENCHMARKS.md keys it: drafter and tree, then the backend,
     device and children when they are not the defaults (inductor, cpu, topk)."""
     label = drafter_label({"drafter": manifest["drafter"], "tree": manifest["tree"]["spec"],
                            "tree_nodes": len(manifest["tree"]["paths"])})
-    extra = [manifest["backend"] if manifest["backend"] != "inductor" else None,
+    extra = [manifest["backend"] if manifest["backend"] != QUIET_BACKEND else None,
              manifest.get("device", "cpu") if manifest.get("device", "cpu") != "cpu" else None,
              "sampled children" if manifest["drafter"].get("children") == "sampled" else None]
     return ", ".join([label] + [e for e in extra if e])
 
 
 def plain_label(report: dict) -> str:
-    extra = [report["backend"] if report["backend"] != "inductor" else None,
+    extra = [report["backend"] if report["backend"] != QUIET_BACKEND else None,
              report["device"] if report.get("device", "cpu") != "cpu" else None]
     return ", ".join([benchfile.PLAIN] + [e for e in extra if e])
 

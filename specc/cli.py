@@ -251,10 +251,11 @@ def cmd_inspect(a) -> int:
 
 
 def trt_lint_report(engine: str, m: dict) -> dict:
+    from .backends import get_backend
     from .trt_lint import engine_graph_files, findings_json, lint_engine
     from .trt_ops import SOURCE, TRT_VERSION
 
-    if m["backend"] not in ("onnx", "tensorrt"):
+    if not get_backend(m["backend"]).onnx_files:
         raise SpeccError(f"--trt-lint reads an engine's ONNX graphs, and this is a {m['backend']} engine; compile it "
                          f"with --backend onnx or tensorrt.")
     findings = lint_engine(Path(engine), m)

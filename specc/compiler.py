@@ -27,7 +27,7 @@ from tqdm import tqdm
 from specc.kernels.rows_linear import kernel_choice
 
 from . import __version__, adaptive, calibrate, products
-from .backends import check_device, lower_graph, move_states, open_graph
+from .backends import check_device, get_backend, lower_graph, move_states, open_graph
 from .config import MANIFEST, CompileConfig
 from .drafters import get_kind
 from .errors import SpeccError
@@ -110,7 +110,7 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
                         cfg.adaptive, cfg.prefill_chunks[:-1])
     with staging(out) as stage:
         # tensorrt: the graphs are exported on this machine's CPU and built on the GPU machine
-        build_device = "cpu" if cfg.backend == "tensorrt" else cfg.device
+        build_device = "cpu" if get_backend(cfg.backend).built_later else cfg.device
         states = move_states(modules.states(), build_device)
         built, graphs, timed = {}, {}, None
         if products.applies(cfg, weight_bytes(modules.target), cpu_kernels_used(cfg)):
@@ -141,9 +141,9 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
         if target.tokenizer is not None:
             target.tokenizer.save_pretrained(stage / "target")
         kind.save(weights, stage / "draft", target.model)
-        trt = tensorrt_engines(stage, out, graphs, cfg.progress) if cfg.backend == "tensorrt" else None
+        trt = tensorrt_engines(stage, out, graphs, cfg.progress) if get_backend(cfg.backend).built_later else None
         write_manifest(stage, cfg, target, modules, entry, tree, report, graphs, cache_len, trt, timed, seconds)
-        if len(cfg.prefill_chunks) > 1 and cfg.backend != "tensorrt":  # TensorRT's graphs run on the GPU machine
+        if len(cfg.prefill_chunks) > 1 and not get_backend(cfg.backend).built_later:  # built where they run
             measure_prefill(stage, cfg.progress)
         if cfg.adaptive:
             measure_family(stage, cfg.progress)
@@ -214,7 +214,7 @@ def build(path, progress: bool = True) -> Path:
 
     path = Path(path)
     manifest = read_manifest(path)
-    if manifest["backend"] != "tensorrt":
+    if not get_backend(manifest["backend"]).built_later:
         raise SpeccError(f"{str(path)!r} is a {manifest['backend']} engine; `specc build` builds the TensorRT engines "
                          f"of one compiled with --backend tensorrt.")
     verify_files(path, {**manifest, "files": {k: v for k, v in manifest["files"].items() if not k.endswith(".plan")}})
@@ -315,7 +315,7 @@ def cpu_kernels_used(cfg: CompileConfig) -> bool:
     float32 activations (rows_linear's body, over float32 or int8 weights) and of GGUF blocks."""
     from specc.kernels.cpu_kernels import load_cpu_kernel
 
-    return cfg.backend == "inductor" and torch.device(cfg.device or "cpu").type == "cpu" and load_cpu_kernel()
+    return get_backend(cfg.backend).native_cpu and torch.device(cfg.device or "cpu").type == "cpu" and load_cpu_kernel()
 
 
 def eos_ids(model) -> list[int]:
@@ -399,13 +399,11 @@ def load(path, check_hashes: bool = True, device: str | None = None, cuda_graphs
     manifest = read_manifest(path)
     if check_hashes:
         verify_files(path, manifest)
-    if manifest["backend"] == "tensorrt":
-        from .tensorrt import check_built
-
-        check_built(manifest, path)
+    if get_backend(manifest["backend"]).check_loadable is not None:  # tensorrt: its engines built
+        get_backend(manifest["backend"]).check_loadable(manifest, path)
     backend, device = manifest["backend"], run_device(manifest, device)
     # onnxruntime and TensorRT run their own launches: CUDA-graph capture is for the torch backends
-    cuda_graphs = cuda_graphs and torch.device(device).type == "cuda" and backend in ("eager", "inductor")
+    cuda_graphs = cuda_graphs and torch.device(device).type == "cuda" and get_backend(backend).cuda_graphs
     dtype = parse_dtype(manifest["dtype"])
     model = AutoModelForCausalLM.from_pretrained(path / "target", dtype=dtype).eval().requires_grad_(False)
     try:
@@ -442,12 +440,12 @@ def load(path, check_hashes: bool = True, device: str | None = None, cuda_graphs
 
 def run_device(manifest: dict, device: str | None) -> str:
     """Where an engine runs: its graphs' versions and device must match this machine (inductor)."""
-    backend, compiled_for = manifest["backend"], manifest.get("device", "cpu")
-    if backend == "inductor" and manifest["torch_version"] != torch.__version__:
+    backend, compiled_for = get_backend(manifest["backend"]), manifest.get("device", "cpu")
+    if backend.locked and manifest["torch_version"] != torch.__version__:
         raise SpeccError(f"the engine's graphs were built with torch {manifest['torch_version']} but this is torch "
                          f"{torch.__version__}; compile the engine again.")
     device = check_device(device or compiled_for)
-    if backend == "inductor" and device != check_device(compiled_for):
+    if backend.locked and device != check_device(compiled_for):
         raise SpeccError(f"this engine's graphs were compiled for {compiled_for}; run it there, or compile it again "
                          f"with --device {device}.")
     return device

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .backends import check_backend, check_device
+from .backends import backends_with, check_backend, check_device, get_backend
 from .drafters import get_kind, kinds_with
 from .errors import SpeccError
 from .models import parse_dtype
@@ -80,19 +80,19 @@ class CompileConfig:
         if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / MANIFEST).is_file())):
             raise SpeccError(f"output {str(out)!r} exists and is not a specc engine directory; refusing to overwrite it.")
         kind = get_kind(self.drafter)
-        check_backend(self.backend)
+        backend = check_backend(self.backend)
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen)
-        if self.backend == "tensorrt":
-            # The graphs are exported here and built into TensorRT engines where they run (`specc build`).
-            if torch.device(self.device or "cuda").type != "cuda":
-                raise SpeccError("TensorRT engines run on CUDA GPUs; use --backend tensorrt with --device cuda.")
-            set_("device", self.device or "cuda")
+        if backend.built_later:
+            # The graphs are exported here and built into engines where they run (`specc build`).
+            if torch.device(self.device or backend.devices[0]).type not in backend.devices:
+                raise SpeccError(f"{backend.label} engines run on CUDA GPUs; use --backend {backend.name} with "
+                                 f"--device cuda.")
+            set_("device", self.device or backend.devices[0])
         else:
             set_("device", check_device(self.device or "cpu"))
         set_("torch_dtype", parse_dtype(self.dtype))
-        if self.backend == "onnx" and self.torch_dtype == torch.bfloat16:
-            raise SpeccError("the onnx backend runs float32 and float16 engines (onnxruntime has few bfloat16 "
-                             "kernels); use --dtype float32 or float16.")
+        if self.torch_dtype not in backend.dtypes:
+            raise SpeccError(backend.dtype_refusal)
         set_("modes", parse_modes(self.modes))
         if self.children not in CHILDREN:
             raise SpeccError(f"--children {self.children!r} is unknown; use topk or sampled.")
@@ -113,9 +113,9 @@ class CompileConfig:
             if not kind.ADAPTIVE:
                 raise SpeccError(f"--adaptive needs a drafter whose drafts come with confidences; in this version "
                                  f"that is --drafter {kinds_with('ADAPTIVE')}.")
-            if self.backend == "tensorrt":
-                raise SpeccError("--adaptive times its step graphs where they are compiled, which a tensorrt engine "
-                                 "cannot do before `specc build`; use --backend onnx or inductor.")
+            if backend.built_later:
+                raise SpeccError(f"--adaptive times its step graphs where they are compiled, which a {backend.name} "
+                                 f"engine cannot do before `specc build`; use --backend onnx or inductor.")
             if self.ngram_branch:
                 raise SpeccError("--adaptive chooses from the drafter's confidences, which prompt lookup's branch "
                                  "lacks; use --adaptive or --ngram-branch, not both.")
@@ -126,12 +126,9 @@ class CompileConfig:
                              "embedded SmolLM2 GGUF), or use --quant int8.")
         if self.quant == "gguf" and self.torch_dtype != torch.float32:
             raise SpeccError("--quant gguf computes in float32 (the activations of its products); use --dtype float32.")
-        if self.quant in ("int4", "gguf") and self.backend in ("onnx", "tensorrt"):
-            raise SpeccError(f"--quant {self.quant} runs on the eager and inductor backends (int8 on onnx too); the "
-                             f"ONNX lowering of 4-bit blocks is not built yet.")
-        if self.quant == "int8" and self.backend == "tensorrt":
-            raise SpeccError("--quant int8 runs on the eager, inductor and onnx backends; TensorRT engines of int8 "
-                             "weights are not built yet.")
+        if self.quant not in backend.quants:
+            raise SpeccError(f"--quant {self.quant} runs on the {backends_with(lambda b: self.quant in b.quants)} "
+                             f"backends; {backend.quant_refusal[self.quant]}.")
         kind.check(self)
 
     def _check_ngram_branch(self, kind) -> None:
@@ -157,10 +154,10 @@ class CompileConfig:
     def _check_tree(self, kind) -> Tree:
         spec = self.tree_spec
         if is_measured(spec):
-            if self.backend == "tensorrt":
-                raise SpeccError(f"--tree {spec} is measured by running candidate engines, which a tensorrt engine "
-                                 f"cannot do before `specc build`; measure it with --backend onnx or inductor and pass "
-                                 f"the tree it picked.")
+            if get_backend(self.backend).built_later:
+                raise SpeccError(f"--tree {spec} is measured by running candidate engines, which a {self.backend} "
+                                 f"engine cannot do before `specc build`; measure it with --backend onnx or inductor "
+                                 f"and pass the tree it picked.")
             if spec.strip() != "auto":
                 parse_tree(spec, acceptance=[[1.0]])  # the form and budget; the tree itself is measured
             if not kind.MEASURED_TREES:

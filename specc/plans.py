@@ -26,6 +26,7 @@ from specc.passes.tree_attention import tree_attention
 from specc.passes.tree_inputs import tree_inputs
 
 from .adaptive import family_sizes, fused_name, prefix, step_name
+from .backends import get_backend
 from .pipeline import Pipeline, capture
 from .prefill import prefill_name
 from .signature import MODES, SampledChildren, graph_name, uniform_columns
@@ -58,9 +59,10 @@ def start(backend: str, verify: bool = True) -> Pipeline:
     step's); the written-out reductions would be materialised there, and prefill chunks (which plain
     and speculative decoding share) and drafter graphs (whose drafts are verified exactly whatever their
     bits) keep their GEMMs. onnx/tensorrt keep linear."""
-    if backend == "inductor":
+    products = get_backend(backend).products
+    if products == "all":
         return Pipeline().add("matvec", matvec)
-    if backend == "eager" and verify:
+    if products == "verify" and verify:
         return Pipeline().add("matvec", partial(matvec, stored_only=True))
     return Pipeline()
 
@@ -72,7 +74,8 @@ def prefill_plans(name: str, module: str, chunk: int, cache_len: int, backend: s
                                                                lambda p: tree_inputs(p, chain(chunk - 1), cache_len)))
     def last(m: str) -> Pipeline:
         p = Pipeline().wrap("sample_last", partial(sample_last, mode=m, table=table)).add("last_row_head", last_row_head)
-        return p.add("matvec", matvec) if backend == "inductor" else p  # the head is one row now (prefill only)
+        # the head is one row now (prefill only)
+        return p.add("matvec", matvec) if get_backend(backend).products == "all" else p
 
     return [GraphPlan(graph_name(name, m), module, chunk, last(m), mode=m, base=base) for m in modes]
 

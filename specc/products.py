@@ -22,7 +22,7 @@ import torch
 from specc.kernels.rows_linear import kernel_choice, many_rows
 
 from .adaptive import time_calls
-from .backends import InductorGraph, lower_graph
+from .backends import InductorGraph, get_backend, lower_graph
 from .pipeline import example_inputs
 from .plans import build_program
 from .quant import FLOAT
@@ -35,7 +35,7 @@ CHOICES = {"cpp": True, "reduction": False}
 def applies(cfg, bytes_per_token: int, cpu_kernels: bool) -> bool:
     """Whether to time the products: Inductor on CPU, float32 weights, the C++ product built here,
     and a target that reads at least MIN_TIMED_BYTES of weights per token."""
-    return cpu_kernels and cfg.backend == "inductor" and torch.device(cfg.device or "cpu").type == "cpu" \
+    return cpu_kernels and get_backend(cfg.backend).native_cpu and torch.device(cfg.device or "cpu").type == "cpu" \
         and cfg.torch_dtype == torch.float32 and cfg.quant == FLOAT and bytes_per_token >= MIN_TIMED_BYTES
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from torch.fx import Interpreter
 
-from .backends import EagerGraph, InductorGraph, compile_inductor, lowering_passes, on_device
+from .backends import EagerGraph, get_backend, lowering_passes, on_device
+from .errors import SpeccError
 from .pipeline import example_inputs
 from .plans import GraphPlan, build_program, decode_plans
 from .target_module import TargetModule, module_state
@@ -76,13 +77,11 @@ class _Runner:
     def __init__(self, ep, state: dict, backend: str, folder: Path, name: str, device: str):
         self.device = device
         ep = on_device(ep, device, state)  # the state is on the device already: shared, not copied
-        if backend == "inductor":
-            path = folder / f"{name}.pt2"
-            # the program already went through lowering_passes (verify_program)
-            keys = compile_inductor(ep, state, path, tuple(a.to(device) for a in example_inputs(ep)))
-            self.graph = InductorGraph(path, state, keys)
-        else:
-            self.graph = EagerGraph(ep, state)
+        run = get_backend(backend).run
+        if run is None:
+            raise SpeccError(f"row checks run the eager and inductor backends, not {backend}.")
+        # the program already went through lowering_passes (verify_program)
+        self.graph = run(ep, state, folder, name, tuple(a.to(device) for a in example_inputs(ep)), device)
 
     def __call__(self, tokens: list[int], base_len: int) -> torch.Tensor:
         out = self.graph(torch.tensor(tokens, device=self.device), torch.tensor(base_len, device=self.device))

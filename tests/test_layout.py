@@ -144,7 +144,7 @@ def test_compile_and_load_fit_on_one_screen():
     assert sizes["compile"] <= 80 and sizes["load"] <= 80, sizes
 
 
-@pytest.mark.parametrize("kind", ["none", "ngram", "draft-model", "mtp", "dflash"])
+@pytest.mark.parametrize("kind", ["none", "ngram", "draft-model", "mtp", "dflash", "dspark"])
 def test_no_drafter_branching_outside_the_kinds(kind):
     """A drafter's name is compared only inside its kind module (and the registry)."""
     pattern = re.compile(r"""(==|!=|\bin\b)\s*\(?[^)\n]*["']""" + re.escape(kind) + r"""["']""")
@@ -200,3 +200,27 @@ def test_readme_is_short_and_every_documentation_link_resolves():
             if "://" in target:
                 continue
             assert (doc.parent / target).exists(), f"{doc.relative_to(ROOT)} links to missing {target}"
+
+
+BACKEND_MODULES = ("specc.backends", "specc.onnx_backend", "specc.tensorrt", "specc.trt_lint", "specc.bench")
+
+
+@pytest.mark.parametrize("name", ["eager", "inductor", "onnx", "tensorrt"])
+def test_no_backend_branching_outside_the_backends(name):
+    """A backend's name is compared only in the backends' own modules: elsewhere its capabilities are
+    looked up (backends.Backend)."""
+    pattern = re.compile(r"""(==|!=|\bin\b)\s*\(?[^)\n]*["']""" + re.escape(name) + r"""["']""")
+    hits = [f"{mod}:{i}: {line.strip()}" for mod, path in modules().items() if mod not in BACKEND_MODULES
+            for i, line in enumerate(path.read_text().splitlines(), 1)
+            if pattern.search(line) and not line.lstrip().startswith("#")]
+    assert hits == []
+
+
+def test_every_backend_implements_the_protocol():
+    from specc.backends import KINDS, Backend
+
+    for name, backend in KINDS.items():
+        assert isinstance(backend, Backend) and backend.name == name
+        assert callable(backend.lower) and callable(backend.open) and callable(backend.passes)
+        assert backend.products in ("all", "verify", "none") and set(backend.devices) <= {"cpu", "cuda"}
+        assert all(q in backend.quant_refusal for q in ("none", "int8", "int4", "gguf") if q not in backend.quants)
