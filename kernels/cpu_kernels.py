@@ -19,6 +19,7 @@ loaded where it runs: `specc.load` does that for the engines whose manifest says
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
@@ -68,8 +69,15 @@ def load_cpu_kernel() -> bool:
 
             out = build_dir()
             out.mkdir(parents=True, exist_ok=True)
-            load(name=f"specc_cpu_kernels_{out.name.split('-')[-1]}", sources=[str(p) for p in SOURCES], extra_cflags=FLAGS,
-                 extra_ldflags=["-fopenmp"], build_directory=str(out), is_python_module=False, verbose=False)
+            with open(out / "build.flock", "w") as held:
+                # torch's build lock is a file whose presence means "building": one that a killed build left
+                # would make every later load wait for ever. Under this lock, which the OS drops with its
+                # process, no other specc process is building here, so such a file is stale.
+                fcntl.flock(held, fcntl.LOCK_EX)
+                (out / "lock").unlink(missing_ok=True)
+                load(name=f"specc_cpu_kernels_{out.name.split('-')[-1]}", sources=[str(p) for p in SOURCES],
+                     extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(out), is_python_module=False,
+                     verbose=False)
             torch.library.register_fake("specc_cpu::gguf_matvec")(_fake_gguf)
             torch.library.register_fake("specc_cpu::dense_matvec")(_fake_dense)
             torch.library.register_fake("specc_cpu::rows_attention")(_fake_attention)

@@ -118,3 +118,24 @@ def test_many_rows_is_a_cache_budget_of_input_rows(monkeypatch):
     key = kernel_sources()
     monkeypatch.setattr(rows_linear, "REDUCTION_ROWS_BYTES", 16 << 10)
     assert kernel_sources() != key
+
+
+def test_a_build_killed_midway_does_not_hang_later_loads():
+    """torch's extension build marks "building" with a lock file; a build killed midway leaves it, and a
+    later load would wait for ever. load_cpu_kernel removes it under its own lock, which the OS drops
+    with its process (another process loading meanwhile holds that lock: the file is never pulled from
+    under a build)."""
+    import subprocess
+    import sys
+
+    from conftest import cli_env
+    from specc.kernels.cpu_kernels import build_dir
+
+    if not load_cpu_kernel():
+        pytest.skip("the C++ CPU products do not build here")
+    (build_dir() / "lock").touch()  # what a killed build leaves
+    code = "from specc.kernels.cpu_kernels import load_cpu_kernel; print(load_cpu_kernel())"
+    proc = subprocess.run([sys.executable, "-P", "-c", code], env=cli_env(), capture_output=True, text=True,
+                          timeout=240)
+    assert proc.stdout.strip() == "True", proc.stderr[-2000:]
+    assert not (build_dir() / "lock").exists()
