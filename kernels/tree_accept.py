@@ -402,8 +402,9 @@ if triton is not None:
                               cdf_ptr, out_ptr, T, V, stride, depth, W, CHUNK, SPLITS: tl.constexpr,
                               BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr):
         """The inverse-CDF draw from the residual, one program: the split where the cumulative sum passes
-        u from the splits' sums, then that split's values one block at a time (the first index whose
-        cumulative sum exceeds u, never past the last index of positive mass)."""
+        u from the splits' sums, then the values from there one block at a time, stopping at the block
+        that holds the first index whose cumulative sum exceeds u (never past the last index of positive
+        mass)."""
         s = tl.arange(0, BLOCK_S)
         ok = s < SPLITS
         total = tl.sum(tl.load(part_ptr + s, mask=ok, other=0.0), 0).to(tl.float32)
@@ -419,9 +420,12 @@ if triton is not None:
         carry = tl.sum(tl.where(s == split, before, 0.0), 0)
         cur = tl.load(path_ptr + depth)
         lanes = tl.arange(0, BLOCK_V)
-        lo = split * CHUNK
+        start = split * CHUNK
         pick = tl.full([], V, tl.int64)
-        for start in range(lo, tl.minimum(V, lo + CHUNK), BLOCK_V):
+        # From that split on, a block at a time, until a block holds the pick: the split's own sums were
+        # added in another order than this scan's, so where they disagree by a rounding the scan goes on
+        # into the next split rather than ever returning no token.
+        while (pick == V) & (start < V):
             cols = start + lanes
             q = tl.math.div_rn(_residual_row(probs_ptr, tokens_ptr, children_ptr, cur, cols, V, stride, W),
                                denom).to(tl.float64)
@@ -429,6 +433,7 @@ if triton is not None:
             take = ((cdf > u) | (cols >= last_nz)) & (cols < V)
             pick = tl.minimum(pick, tl.min(tl.where(take, cols.to(tl.int64), V), 0))
             carry += tl.sum(q, 0)
+            start += BLOCK_V
         n = tl.load(n_ptr)
         for d in range(depth + 1):
             tl.store(out_ptr + d, pick, mask=d >= n)
