@@ -305,17 +305,18 @@ def _featured(model, items, spec: FeatureSpec, batch_tokens: int):
         for source, ids, loss in items:
             yield source, ids, {f: v.cpu() for f, v in target_features(model, ids, loss, spec).items()}
         return
-    pending: list = []
+    pending, held = [], 0
     for item in itertools.chain(items, [None]):  # None: flush what is pending
         if item is not None:
             pending.append(item)
-            if sum(len(i[1]) for i in pending) < batch_tokens:
+            held += len(item[1])
+            if held < batch_tokens:
                 continue
         for group in padded_batches([len(i[1]) for i in pending], batch_tokens) if pending else []:
             group = sorted(group)  # corpus order within the batch
             for k, rec in zip(group, batch_features(model, [pending[k][1:] for k in group], spec)):
                 yield pending[k][0], pending[k][1], {f: v.cpu() for f, v in rec.items()}
-        pending = []
+        pending, held = [], 0
 
 
 def extract(model, tokenizer, spec: FeatureSpec, folder, tokens: int, exclude: set[str] = frozenset(),
@@ -523,13 +524,19 @@ class TokenCorpus:
         return meta
 
     @classmethod
-    def open(cls, folder) -> "TokenCorpus":
-        import numpy as np
-
+    def check(cls, folder) -> Path:
+        """The folder, or one sentence when it holds no pre-tokenized corpus (before any work is done)."""
         folder = Path(folder)
         if not (folder / cls.META).is_file() or not (folder / cls.FILE).is_file():
             raise SpeccError(f"{str(folder)!r} holds no pre-tokenized corpus (corpus.json and corpus.npz; "
                              f"`specc features --pretokenize` writes them).")
+        return folder
+
+    @classmethod
+    def open(cls, folder) -> "TokenCorpus":
+        import numpy as np
+
+        folder = cls.check(folder)
         meta = json.loads((folder / cls.META).read_text())
         with np.load(folder / cls.FILE) as z:
             lengths = z["lengths"]

@@ -1032,6 +1032,10 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
     out = Path(output_dir)
     work = out / "train"
     device = check_device(device)
+    if cfg.feature_stream:  # refused before the run directory or any sequence is made
+        from .features import TokenCorpus
+
+        TokenCorpus.check(cfg.feature_stream)
     resumed = _check_run_dir(out, cfg)
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(usable_cpus())

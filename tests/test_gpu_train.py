@@ -17,6 +17,7 @@ from conftest import cli_env
 from tiny import tiny_model
 
 from specc.dflash import segment_starts
+from specc.errors import SpeccError
 from specc.features import FeatureSpec, FeatureStream, TokenCorpus, batch_features, target_features
 from specc.train import DSparkTrainer, TrainConfig, lr_at
 
@@ -225,3 +226,17 @@ def test_a_run_from_before_the_new_settings_resumes(tmp_path):
     assert _check_run_dir(tmp_path, cfg)["config"] == old
     with pytest.raises(Exception, match="time_budget"):
         _check_run_dir(tmp_path, TrainConfig(drafter="dspark", time_budget=5.0))
+
+
+def test_bad_stream_options_are_refused_before_any_work(tmp_path):
+    """A --feature-stream folder without a corpus, a bad precision, packing without a stream: one
+    sentence each, and no run directory left behind."""
+    from specc.train import TrainConfig, train
+
+    with pytest.raises(SpeccError, match="holds no pre-tokenized corpus"):
+        train(None, tmp_path / "run", TrainConfig(drafter="dspark", feature_stream=str(tmp_path / "none"), prompts=0))
+    with pytest.raises(SpeccError, match="--feature-precision 'fp8' is unknown"):
+        TrainConfig(drafter="dspark", feature_stream=str(tmp_path), feature_precision="fp8", prompts=0).check()
+    with pytest.raises(SpeccError, match="--pack-tokens packs the sequences of a --feature-stream"):
+        TrainConfig(drafter="dspark", pack_tokens=4096).check()
+    assert not (tmp_path / "run").exists()
