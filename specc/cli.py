@@ -171,8 +171,8 @@ def sm90_report(m: dict, as_json: bool) -> int:
         print(f"sm_90a build of {m['target']['name']}'s decode-step kernels ({m['dtype']}, "
               f"{', '.join(map(str, sizes))} tokens a step; {len(labelled)} launches, {len(rows)} variants):\n")
         print(hb.table(rows))
-        for b in bad:
-            print(f"\n{b.kernel} [{b.config}]: {'; '.join(b.problems())}")
+    for b in bad:  # with --json too, on stderr: the reason is what a failing run must show first
+        print(f"{b.kernel} [{b.config}]: {'; '.join(b.problems())}", file=sys.stderr if as_json else sys.stdout)
     return 1 if bad else 0
 
 

@@ -108,3 +108,27 @@ def test_table_and_problems():
     assert hb.Built("k", "c", 1, "", 4, 2, ok=False, error="boom").problems() == ["does not compile: boom"]
     assert "| k | c |" in hb.table([ok])
     assert hb._occupancy(255, 4, 0) == 2 and hb._occupancy(64, 4, 151616) == 1 and hb._occupancy(32, 4, 0) == 16
+
+
+def test_builds_under_the_interpreter_with_a_cold_cache(built, tmp_path):
+    """With TRITON_INTERPRET=1 (as the kernel tests set it) every @triton.jit function, Triton's own tl.max
+    and tl.sum among them, is an interpreter function: the build must compile them all the same, and
+    with a cold Triton cache nothing can come from an earlier, uninterpreted build."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = ("import json, sys, torch; from specc.kernels import hopper_build as hb; "
+              "rows = hb.build(hb.shape_launches(hb.SHAPES['smollm2'], torch.bfloat16, tree_sizes=(1, 8), gguf=('Q4_0',))); "
+              "json.dump(hb.as_dicts(rows), sys.stdout)")
+    env = dict(os.environ, TRITON_INTERPRET="1", TRITON_CACHE_DIR=str(tmp_path / "triton"))
+    out = subprocess.run([sys.executable, "-P", "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cold = json.loads(out.stdout)
+    assert cold and all(r["ok"] and not r["problems"] for r in cold), [r["error"] for r in cold if r["problems"]]
+    key = ("kernel", "signature", "num_warps", "num_stages")
+    warm = {tuple(getattr(b, k) for k in key): b for b in built[1] if "bfloat16" in b.dtypes.split("/")}
+    for r in cold:
+        b = warm[tuple(r[k] for k in key)]
+        assert (r["registers"], r["shared"], r["hmma"], r["hgmma"]) == (b.registers, b.shared, b.hmma, b.hgmma), r
