@@ -22,12 +22,11 @@ Compiled engines are reused by directory name (after changing the compiler, use 
 Prints the run; writes it (under History, newest first, Current figures regenerated) only with --write.
 """
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import specc
-from specc import benchfile
+from specc import benchfile, harness
 from specc.adaptive import MIN_TIMED
 from specc.data import load_prompts
 from specc.models import quiet_libraries
@@ -72,7 +71,7 @@ def graph_order(name: str) -> tuple:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    benchfile.add_arguments(ap, limit=10, max_new_tokens=128)
+    harness.bench_args(ap, limit=10, max_new_tokens=128, rounds=3)
     ap.add_argument("--drafter", default="ngram", choices=("ngram", "dspark"))
     ap.add_argument("--block-size", type=int, default=None, help="dspark: the block length to run")
     ap.add_argument("--trees", default="chain:4,chain:8")
@@ -81,12 +80,9 @@ def main() -> int:
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--quant", default="none",
                     help="every engine's --quant (plain decoding runs through the first engine: the same weights)")
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--datasets", default="humaneval,mt-bench")
     ap.add_argument("--engines", default="engines/bench-adaptive")
     a = ap.parse_args()
-    if a.rounds < 1 or a.limit < 1:
-        raise SystemExit("--rounds and --limit must be at least 1.")
     cmd = benchfile.command_line()
     trees = a.trees.split(",")
     engines = {}
@@ -110,35 +106,26 @@ def main() -> int:
         ids = [plain_engine.encode(p, chat=True) for p in load_prompts(ds, a.limit)]
         ids = [x for x in ids if len(x) + a.max_new_tokens <= plain_engine.max_len]
 
-        def run(method, x, n):
+        def run(method, job):
+            x, n = job
             eng = plain_engine if method == "plain" else engines[method]
             return eng.generate(x, max_new_tokens=n, speculate=method != "plain", stop_at_eos=False)
 
-        for m in methods:  # warm-up
-            run(m, ids[0], 8)
-        tps = {m: [[] for _ in range(a.rounds)] for m in methods}
-        tau = {m: [0, 0] for m in methods}
-        chosen = {m: {} for m in methods}
-        identical = {m: 0 for m in methods}
-        for rnd in range(a.rounds):
-            order = methods[rnd % len(methods):] + methods[: rnd % len(methods)]
-            for x in ids:
-                outs = {}
-                for m in order:
-                    r = run(m, x, a.max_new_tokens)
-                    tps[m][rnd].append(r.stats.tokens_per_s)
-                    outs[m] = r.token_ids
-                    if rnd == 0:
-                        tau[m][0] += r.stats.new_tokens - 1
-                        tau[m][1] += r.stats.steps
-                        for k, v in r.stats.graphs.items():
-                            chosen[m][k] = chosen[m].get(k, 0) + v
-                for m in methods:
-                    identical[m] += rnd == 0 and outs[m] == outs["plain"]
-        med = {m: statistics.median(statistics.median(r) for r in tps[m]) for m in methods}
+        res = harness.paired({m: (lambda job, m=m: run(m, job)) for m in methods}, a.rounds,
+                             items=[(x, a.max_new_tokens) for x in ids], warm=(ids[0], 8))
+        tps = {m: harness.round_medians(res[m], key=lambda r: r.stats.tokens_per_s) for m in methods}
+        med = {m: harness.median(tps[m]) for m in methods}
         # Each round's own ratio of medians: how far one round's verdict strays from the median's.
-        by_round = {m: [statistics.median(r) / statistics.median(p) for r, p in zip(tps[m], tps["plain"])]
-                    for m in methods}
+        by_round = {m: harness.ratios(tps[m], tps["plain"]) for m in methods}
+        first = {m: res[m][0] for m in methods}  # tau, steps by graph and identical tokens: the first round
+        tau = {m: [sum(r.stats.new_tokens - 1 for r in first[m]), sum(r.stats.steps for r in first[m])]
+               for m in methods}
+        chosen = {m: {} for m in methods}
+        for m in methods:
+            for r in first[m]:
+                for k, v in r.stats.graphs.items():
+                    chosen[m][k] = chosen[m].get(k, 0) + v
+        identical = {m: sum(r.token_ids == p.token_ids for r, p in zip(first[m], first["plain"])) for m in methods}
         lines += [f"#### {ds} ({len(ids)} prompts)\n", "| method | tau | tokens/s (median) | vs plain | vs plain by round "
                   "| steps by graph | greedy identical |", "|---|---|---|---|---|---|---|"]
         for m in methods:
@@ -170,8 +157,7 @@ def main() -> int:
              f"{a.limit} prompts of each set, chat template on, EOS ignored; warm-up excluded; each prompt runs every "
              f"method back to back, {a.rounds} rounds, order rotated; figure = median over rounds of the median over "
              f"prompts of tokens/s (whole generate() call); tau and steps by graph from the first round.")
-    return benchfile.finish(a, benchfile.new_run(TITLES[a.drafter], figures, command=cmd), setup,
-                            "\n".join(lines))
+    return harness.record(a, TITLES[a.drafter], setup, "\n".join(lines), figures, command=cmd)
 
 
 if __name__ == "__main__":

@@ -12,17 +12,16 @@ decode graphs call it:
 * sdpa-blocks: ATen's SDPA over the keys read in whole blocks of 64 (attend_prefix without the C++ kernels);
 * sdpa-exact: ATen's SDPA over exactly kv_len keys (attend_prefix before row invariance).
 
-Interleaved rounds, medians of microseconds per call; the step graph calls it once per layer (30).
+Interleaved rounds (the order rotated each round, specc.harness), medians of microseconds per call; the step
+graph calls it once per layer (30).
 """
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-from specc import benchfile
+from specc import benchfile, harness
 from specc.errors import SpeccError
 from specc.kernels import cpu_kernels
 from specc.models import parse_dtype
@@ -34,10 +33,7 @@ def main() -> int:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--contexts", default="256,1024")
     ap.add_argument("--Ts", default="1,4,8,16")
-    ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--write", metavar="BENCHMARKS.md")
+    harness.bench_args(ap, rounds=3, calls=200, calls_help="calls of each op per round, timed as one block")
     a = ap.parse_args()
     try:
         dtypes = [parse_dtype(name) for name in a.dtypes.split(",")]
@@ -45,9 +41,8 @@ def main() -> int:
     except (SpeccError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if min(contexts) < 1 or min(Ts) < 1 or max(contexts) + max(Ts) > 2048 or a.calls < 1 or a.rounds < 1:
-        print("error: --contexts and --Ts must be positive with context + T <= 2048, --calls and --rounds >= 1.",
-              file=sys.stderr)
+    if min(contexts) < 1 or min(Ts) < 1 or max(contexts) + max(Ts) > 2048:
+        print("error: --contexts and --Ts must be positive with context + T <= 2048.", file=sys.stderr)
         return 2
     if not cpu_kernels.load_cpu_kernel():
         print(f"error: specc's C++ CPU kernels could not be built here ({cpu_kernels.load_error()}).", file=sys.stderr)
@@ -73,16 +68,8 @@ def main() -> int:
                 for label, keys in (("sdpa-blocks", blocks), ("sdpa-exact", n)):
                     calls[(name, context, T, label)] = lambda q=q, k=k, v=v, m=mask, j=keys: F.scaled_dot_product_attention(
                         q, k[:, :, :j], v[:, :, :j], attn_mask=m[..., :j], scale=0.125)
-    us = {key: [] for key in calls}
-    for _ in range(a.rounds):
-        for key, fn in calls.items():
-            for _ in range(5):
-                fn()
-            t = time.perf_counter()
-            for _ in range(a.calls):
-                fn()
-            us[key].append(1e6 * (time.perf_counter() - t) / a.calls)
-    med = {key: statistics.median(v) for key, v in us.items()}
+    arms = {key: (lambda fn=fn: 1e6 * harness.mean_time(fn, a.calls, warmup=5)) for key, fn in calls.items()}
+    med = harness.medians(harness.paired(arms, a.rounds))  # microseconds per call; a warm-up round first
     rows_out, lines = [], ["| dtype | context | T (rows) | rows_attention us | sdpa-blocks us | sdpa-exact us | "
                            "rows / sdpa-exact |", "|---|---|---|---|---|---|---|"]
     for (name, context, T, label) in calls:
@@ -93,9 +80,9 @@ def main() -> int:
                          "sdpa_exact_us": round(e, 1)})
         lines.append(f"| {name} | {context} | {T} ({G * T}) | {r:.1f} | {b:.1f} | {e:.1f} | {r / e:.2f} |")
     setup = (f"One layer of SmolLM2-135M's attention (3 kv heads x {G} query rows per node, head size {D}, a {S}-slot "
-             f"cache), torch threads {torch.get_num_threads()}, {a.calls} calls x {a.rounds} interleaved rounds, medians.")
-    run = benchfile.new_run("Decode attention alone", [], cmd, attention=rows_out)
-    return benchfile.finish(a, run, setup, "\n".join(lines))
+             f"cache), torch threads {torch.get_num_threads()}, {a.calls} calls x {a.rounds} interleaved rounds after a "
+             f"warm-up round, medians.")
+    return harness.record(a, "Decode attention alone", setup, "\n".join(lines), command=cmd, attention=rows_out)
 
 
 if __name__ == "__main__":

@@ -12,22 +12,20 @@ Usage: python examples/bench_backends.py [--backends eager,inductor,onnx] [--dra
 Prints the run; writes it (under History, newest first, Current figures regenerated) only with --write.
 """
 import argparse
-import statistics
 import sys
 
 import specc
-from specc import benchfile
+from specc import benchfile, harness
 from specc.data import load_prompts
 from specc.models import quiet_libraries
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    benchfile.add_arguments(ap, limit=4, max_new_tokens=128)
+    harness.bench_args(ap, limit=4, max_new_tokens=128, rounds=2)
     ap.add_argument("--backends", default="eager,inductor,onnx")
     ap.add_argument("--drafter", default="ngram")
     ap.add_argument("--tree", default="chain:4")
-    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dataset", default="mt-bench")
     ap.add_argument("--engines", default="engines/bench-backends")
     ap.add_argument("--max-len", type=int, default=512)
@@ -40,28 +38,20 @@ def main() -> int:
                              max_len=a.max_len, progress=not a.json, modes="greedy")
         engines[b] = specc.load(path)
     ids = [engines[backends[0]].encode(p, chat=True) for p in load_prompts(a.dataset, a.limit)]
-    for e in engines.values():  # warm-up
-        e.generate(ids[0], max_new_tokens=8, stop_at_eos=False)
-        e.generate(ids[0], max_new_tokens=8, stop_at_eos=False, speculate=False)
 
-    stats = {(b, m): {"tps": [], "ms": [], "tau": []} for b in backends for m in ("plain", "spec")}
-    differ = 0
-    for rnd in range(a.rounds):
-        order = backends[rnd % len(backends):] + backends[:rnd % len(backends)]
-        for x in ids:
-            outs = []
-            for b in order:
-                for mode in ("plain", "spec"):
-                    r = engines[b].generate(x, max_new_tokens=a.max_new_tokens, stop_at_eos=False,
-                                            speculate=mode == "spec")
-                    s = stats[(b, mode)]
-                    s["tps"].append(r.stats.tokens_per_s)
-                    s["ms"].append(1000 * (r.stats.wall_s - r.stats.prefill_s) / r.stats.steps)
-                    s["tau"].append(r.stats.tau)
-                    outs.append(r.token_ids)
-            differ += any(o != outs[0] for o in outs)
+    def run(b, job):  # one backend: plain, then speculative decoding of the prompt
+        x, n = job
+        return {mode: engines[b].generate(x, max_new_tokens=n, stop_at_eos=False, speculate=mode == "spec")
+                for mode in ("plain", "spec")}
 
-    med = {k: {f: statistics.median(v[f]) for f in v} for k, v in stats.items()}
+    res = harness.paired({b: (lambda job, b=b: run(b, job)) for b in backends}, a.rounds,
+                         items=[(x, a.max_new_tokens) for x in ids], warm=(ids[0], 8))
+    fields = {"tps": lambda r: r.stats.tokens_per_s, "ms": lambda r: harness.decode_ms_per_step(r.stats),
+              "tau": lambda r: r.stats.tau}
+    med = {(b, m): {f: harness.median(harness.values(res[b], key=lambda out, m=m, get=get: get(out[m])))
+                    for f, get in fields.items()} for b in backends for m in ("plain", "spec")}
+    runs = zip(*(harness.values(res[b]) for b in backends))  # each prompt run: every backend's outputs
+    differ = sum(len({tuple(out[m].token_ids) for out in outs for m in out}) > 1 for outs in runs)
     base = med[(backends[0], "plain")]["tps"]
     lines = [f"| backend | plain tokens/s | plain ms/step | {a.drafter} {a.tree} tokens/s | ms/step | tau | "
              f"c(T) | speedup vs its plain | tokens/s vs {backends[0]} plain |", "|---|---|---|---|---|---|---|---|---|"]
@@ -86,8 +76,7 @@ def main() -> int:
              f"{a.max_new_tokens} new tokens x {a.rounds} rounds, backends interleaved per prompt (order rotated "
              f"each round), EOS ignored, warm-up excluded; medians over prompt runs; tokens/s includes prefill, "
              f"ms/step excludes it; c(T) = speculative ms/step / plain ms/step on the same backend.")
-    run = benchfile.new_run("Backends side by side", figures, command=cmd)
-    return benchfile.finish(a, run, setup, "\n".join(lines))
+    return harness.record(a, "Backends side by side", setup, "\n".join(lines), figures, command=cmd)
 
 
 if __name__ == "__main__":

@@ -16,17 +16,17 @@ import sys
 
 import specc
 from specc.models import quiet_libraries
-from specc import benchfile
+from specc import benchfile, harness
 from specc.bench import engine_label
 from specc.data import load_prompts
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    benchfile.add_arguments(ap, limit=3, max_new_tokens=96)
+    harness.bench_args(ap, limit=3, max_new_tokens=96)
     ap.add_argument("--configs", default="mtp=chain:3;dflash=chain:3;dflash=topk:2,2",
                     help="KIND=TREE items separated by ';'")
-    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--seeds", type=harness.at_least_one, default=2)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--backend", default="eager")
     ap.add_argument("--engines", default="engines/bench-children")
@@ -66,8 +66,8 @@ def main() -> int:
     setup = (f"SmolLM2-135M-Instruct with the shipped drafters, {a.backend}, temperature {a.temperature}, top-p 1, "
              f"{a.max_new_tokens} new tokens, first {a.limit} prompts of each set (chat template) x {a.seeds} seeds, "
              f"EOS ignored. tau pooled over the runs: committed tokens / verify steps.")
-    run = benchfile.new_run(f"Top-k vs sampled children at temperature {a.temperature}", figures)
-    return benchfile.finish(a, run, setup, "\n".join(lines))
+    return harness.record(a, f"Top-k vs sampled children at temperature {a.temperature}", setup, "\n".join(lines),
+                          figures)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import specc
 from specc.models import quiet_libraries
-from specc import benchfile
+from specc import benchfile, harness
 from specc.bench import drafter_label, run_bench
 from specc.shipped import shipped_drafter, training_summary
 
@@ -41,7 +41,7 @@ def parse_config(item: str):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    benchfile.add_arguments(ap, limit=5, max_new_tokens=256)
+    harness.bench_args(ap, limit=5, max_new_tokens=256)
     ap.add_argument("--dflash", help="a DFlash drafter for SmolLM2 (default: the shipped one)")
     ap.add_argument("--dspark", help="a DSpark drafter for SmolLM2 (default: the shipped one)")
     ap.add_argument("--mtp", help="MTP heads for SmolLM2 (default: the shipped ones)")
@@ -103,7 +103,7 @@ def main() -> int:
              f"{a.limit} prompts of each set, chat template on, EOS ignored; warm-up excluded; medians over prompts. "
              f"Every speculative row ran side by side with plain decoding through the same engine; HF generate() ran "
              f"once per set, beside the first row.")
-    return benchfile.finish(a, benchfile.new_run("Trained drafters", figures, command=cmd), setup, "\n".join(lines))
+    return harness.record(a, "Trained drafters", setup, "\n".join(lines), figures, command=cmd)
 
 
 if __name__ == "__main__":

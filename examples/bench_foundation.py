@@ -13,7 +13,7 @@ import argparse
 import sys
 
 import specc
-from specc import benchfile
+from specc import benchfile, harness
 from specc.bench import markdown_table, matvec_floor, report_figures, run_bench
 from specc.models import load_model, quiet_libraries
 
@@ -25,7 +25,7 @@ ENGINES = [  # (name, drafter, tree, extra, note for BENCHMARKS.md)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    benchfile.add_arguments(ap, limit=10, max_new_tokens=128)
+    harness.bench_args(ap, limit=10, max_new_tokens=128)
     ap.add_argument("--engines", default="engines/bench")
     ap.add_argument("--datasets", default="humaneval,mt-bench")
     ap.add_argument("--drafters", default="ngram,draft-model", help="which of the engines to bench")
@@ -79,9 +79,8 @@ def main() -> int:
     setup = (f"SmolLM2-135M-Instruct, fp32, greedy, {a.max_new_tokens} new tokens per prompt, first {a.limit} prompts "
              f"of each set, chat template on, EOS ignored so every method produces the same count; warm-up excluded; "
              f"medians over prompts.")
-    run = benchfile.new_run("Foundation run", list(figures.values()), command=cmd,
-                            floor={k: round(v, 4) for k, v in floor.items()})
-    return benchfile.finish(a, run, setup, "\n".join(lines))
+    return harness.record(a, "Foundation run", setup, "\n".join(lines), figures.values(), command=cmd,
+                          floor={k: round(v, 4) for k, v in floor.items()})
 
 
 if __name__ == "__main__":

@@ -25,23 +25,17 @@ step off and timing single step calls is what it measures: engine.use_fused, eng
 engine.drafter, engine.tree and specc.prefill.tap_rows.
 """
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
 import specc
 from specc.models import quiet_libraries
-from specc import benchfile
+from specc import benchfile, harness
 from specc.bench import engine_label
 from specc.data import load_prompts
 from specc.prefill import tap_rows
 from specc.signature import split_report
-
-
-def decode_ms_per_step(r) -> float:
-    return 1000 * (r.stats.wall_s - r.stats.prefill_s) / r.stats.steps
 
 
 def step_calls(engine, ids: list[int], calls: int) -> tuple[float, float]:
@@ -65,22 +59,17 @@ def step_calls(engine, ids: list[int], calls: int) -> tuple[float, float]:
         drafter.add_rows(tap_rows(taps, path[: n + 1]), base)
         return drafter.propose(ids + [ids[-1]] * (n + 2))  # a row for every committed token but the last
 
-    times = {fused: [], unfused: []}
-    for i in range(calls + 5):
-        for fn in ((fused, unfused) if i % 2 == 0 else (unfused, fused)):
-            t = time.perf_counter()
-            fn()
-            if i >= 5:  # the first calls warm up
-                times[fn].append(1000 * (time.perf_counter() - t))
-    return statistics.median(times[fused]), statistics.median(times[unfused])
+    # one call of each a round, the order swapped every round; the first 5 rounds warm up
+    arms = {name: (lambda fn=fn: 1000 * harness.clock(fn)[1]) for name, fn in (("fused", fused), ("unfused", unfused))}
+    med = harness.medians(harness.paired(arms, calls, warmup=0, warmup_rounds=5))
+    return med["fused"], med["unfused"]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    benchfile.add_arguments(ap, limit=8, max_new_tokens=128)
+    harness.bench_args(ap, limit=8, max_new_tokens=128, rounds=3, calls=200,
+                       calls_help="step calls of each kind, alternating, for the step-call figures")
     ap.add_argument("--configs", default="dflash=chain:3,mtp=chain:1")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--dataset", default="mt-bench")
     ap.add_argument("--engines", default="engines/bench-fused")
     a = ap.parse_args()
@@ -98,31 +87,27 @@ def main() -> int:
         engine = specc.load(path)
         ids = [engine.encode(p, chat=True) for p in prompts]
 
-        def run(x, mode, n):
+        def run(mode, job):
+            x, n = job
             engine.use_fused = mode == "fused"
             return engine.generate(x, max_new_tokens=n, speculate=mode != "plain", stop_at_eos=False)
 
-        for mode in ("fused", "unfused", "plain"):  # warm-up
-            run(ids[0], mode, 8)
+        arms = {mode: (lambda job, mode=mode: run(mode, job)) for mode in ("fused", "unfused", "plain")}
+        harness.warm_up(arms, (ids[0], 8))
         ms = {"fused": [], "unfused": []}
         ratios, tps, plain_tps, tau, same = [], [], [], [], 0
-        for x in ids:
-            outs = {}
-            for rnd in range(a.rounds):
-                pair = {}
-                for mode in (("fused", "unfused") if rnd % 2 == 0 else ("unfused", "fused")):
-                    r = run(x, mode, a.max_new_tokens)
-                    pair[mode] = decode_ms_per_step(r)
-                    ms[mode].append(pair[mode])
-                    outs[mode] = r.token_ids
-                    if mode == "fused":
-                        tps.append(r.stats.tokens_per_s)
-                        tau.append(r.stats.tau)
-                ratios.append(pair["unfused"] / pair["fused"])
-            r = run(x, "plain", a.max_new_tokens)
+        for x in ids:  # per prompt: fused and unfused paired --rounds times, then plain once
+            res = harness.paired({m: arms[m] for m in ms}, a.rounds, items=[(x, a.max_new_tokens)], warmup=0)
+            pair = {m: harness.values(res[m], key=lambda r: harness.decode_ms_per_step(r.stats)) for m in ms}
+            for m in ms:
+                ms[m] += pair[m]
+            ratios += harness.ratios(pair["unfused"], pair["fused"])
+            tps += harness.values(res["fused"], key=lambda r: r.stats.tokens_per_s)
+            tau += harness.values(res["fused"], key=lambda r: r.stats.tau)
+            r = run("plain", (x, a.max_new_tokens))
             plain_tps.append(r.stats.tokens_per_s)
-            same += outs["fused"] == outs["unfused"] == r.token_ids
-        med = statistics.median
+            same += res["fused"][-1][0].token_ids == res["unfused"][-1][0].token_ids == r.token_ids
+        med = harness.median
         faster = sum(q > 1 for q in ratios)
         call_f, call_u = step_calls(engine, ids[0], a.calls)
         lines.append(f"| {kind} | {tree} | {med(ms['fused']):.2f} | {med(ms['unfused']):.2f} | {med(ratios):.3f}x "
@@ -140,7 +125,7 @@ def main() -> int:
              f"first {a.limit} {a.dataset} prompts (chat template), EOS ignored, warm-up excluded. Each prompt runs "
              f"fused and unfused back to back {a.rounds} times (order swapped each round), then plain. Speedup: median "
              f"over the {a.limit * a.rounds} pairs of unfused / fused decode ms per step (prefill excluded).")
-    return benchfile.finish(a, benchfile.new_run("Fused decode step vs unfused", figures), setup, "\n".join(lines))
+    return harness.record(a, "Fused decode step vs unfused", setup, "\n".join(lines), figures)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,10 @@ Figures: per prompt set, the median over prompts of the median prefill time, the
 and the ratio.
 """
 import argparse
-import statistics
 import sys
-import time
 
 import specc
-from specc import benchfile
+from specc import harness
 from specc.data import load_prompts
 from specc.errors import SpeccError
 from specc.models import quiet_libraries
@@ -30,15 +28,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("engine")
     ap.add_argument("--datasets", default="humaneval,mt-bench")
-    ap.add_argument("--limit", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--write", default=None, metavar="FILE.md",
-                    help="insert this run, dated, under '## History' in FILE.md (default: write nothing)")
-    ap.add_argument("--json", action="store_true")
+    harness.bench_args(ap, limit=10, rounds=5)
     a = ap.parse_args()
-    if a.limit < 1 or a.rounds < 1:
-        print("error: --limit and --rounds must be at least 1.", file=sys.stderr)
-        return 2
     quiet_libraries()
     try:
         engine = specc.load(a.engine)
@@ -60,23 +51,23 @@ def main() -> int:
     lines, rows = [], []
     for dataset, texts in sets.items():
         prompts = [engine.encode(t, chat=True) for t in texts]
-        ms = {w: [[] for _ in prompts] for w in ways}
-        for r in range(a.rounds + 1):  # round 0 warms up
-            for i, ids in enumerate(prompts):
-                order = list(ways) if (r + i) % 2 == 0 else list(ways)[::-1]
-                firsts = set()
-                for w in order:
-                    cg, costs = ways[w]
-                    t0 = time.perf_counter()
-                    firsts.add(prefill(ids, cg, graphs["plain"], mode, costs=costs, capacity=cache_len,
-                                       device=engine.device))
-                    if r:
-                        ms[w][i].append((time.perf_counter() - t0) * 1000)
-                if len(firsts) != 1:
-                    print(f"error: prompt {i} of {dataset}: the two ways give different first tokens {firsts}",
-                          file=sys.stderr)
-                    return 1
-        med = {w: statistics.median(statistics.median(p) for p in ms[w]) for w in ways}
+
+        def way(w, ids):  # one prefill of the prompt: (its first token, milliseconds)
+            cg, costs = ways[w]
+            first, seconds = harness.clock(prefill, ids, cg, graphs["plain"], mode, costs=costs, capacity=cache_len,
+                                           device=engine.device)
+            return first, 1000 * seconds
+
+        # a whole warm-up round first (every prompt length); the order alternates by round and prompt
+        res = harness.paired({w: (lambda ids, w=w: way(w, ids)) for w in ways}, a.rounds, items=prompts, warmup=0,
+                             warmup_rounds=1, stagger=True)
+        for k, outs in enumerate(zip(*(harness.values(res[w]) for w in ways))):  # round by round, prompt by prompt
+            firsts = {first for first, _ in outs}
+            if len(firsts) != 1:
+                print(f"error: prompt {k % len(prompts)} of {dataset}: the two ways give different first tokens "
+                      f"{firsts}", file=sys.stderr)
+                return 1
+        med = {w: harness.median_of_items(res[w], key=lambda v: v[1]) for w in ways}
         calls = {w: sum(len(prefill_plan(len(ids), {s: v for s, v in c.items() if s == 1 or s in cg}, cache_len))
                         for ids in prompts) for w, (cg, c) in ways.items()}
         lengths = sorted(len(ids) for ids in prompts)
@@ -93,8 +84,7 @@ def main() -> int:
              f"as timed at compile: {costs}. Chat template on; {a.rounds} rounds after a warm-up round, the two ways "
              f"back to back per prompt, order alternating; figure = median over prompts of each prompt's median; "
              f"the first token is the same both ways on every prompt.")
-    run = benchfile.new_run("Prefill chunks", [], benchfile.command_line(), device=str(engine.device), prefill=rows)
-    return benchfile.finish(a, run, setup, "\n".join(lines))
+    return harness.record(a, "Prefill chunks", setup, "\n".join(lines), device=str(engine.device), prefill=rows)
 
 
 if __name__ == "__main__":

@@ -8,25 +8,23 @@ q/k/v, output, gate/up and down projections, and the LM head) applied to R rows,
 the `matvec` pass rewrites and AOTInductor compiles, twice per weight format and row count: with
 `specc::rows_linear`'s C++ product at every row count, and with the C++ product turned off (its
 reference: the reduction Inductor compiles). The weights are graph inputs, so the packages share
-one copy. Each round times every package in turn; figures are medians over all calls. The last
-column says which of the two the compiler picks at that row count (kernels/rows_linear.py); that
-depends on the weight's input width too, so `--by-width` compiles and times the weights of each
-input width (576: q/k/v, output, gate/up, LM head; 1536: down) as packages of their own. Without it,
-a row count where specc picks differently per width times neither of the two columns' forms: only
-`--by-width` times what specc runs there.
+one copy. Each round times every package in turn (the order rotated round by round); figures are
+medians over all calls. The last column says which of the two the compiler picks at that row count
+(kernels/rows_linear.py); that depends on the weight's input width too, so `--by-width` compiles
+and times the weights of each input width (576: q/k/v, output, gate/up, LM head; 1536: down) as
+packages of their own. Without it, a row count where specc picks differently per width times
+neither of the two columns' forms: only `--by-width` times what specc runs there.
 """
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoConfig
 
-from specc import benchfile
+from specc import benchfile, harness
 from specc.kernels import cpu_kernels
 from specc.kernels import rows_linear as rl
 from specc.models import resolve_model
@@ -83,16 +81,11 @@ def main() -> int:
     ap.add_argument("--weights", default="float32,int8")
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--by-width", action="store_true", help="one package per input width of the weights")
-    ap.add_argument("--calls", type=int, default=10, help="calls per package per round")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--write", metavar="BENCHMARKS.md")
+    harness.bench_args(ap, rounds=5, calls=10, calls_help="calls per package per round")
     a = ap.parse_args()
     formats, row_counts = a.weights.split(","), sorted({int(r) for r in a.rows.split(",")})
-    if any(f not in ("float32", "int8") for f in formats) or row_counts[0] < 1 or row_counts[-1] > 16 \
-            or a.calls < 1 or a.rounds < 1:
-        print("error: --weights takes float32 and int8, --rows 1 to 16, --calls and --rounds at least 1.",
-              file=sys.stderr)
+    if any(f not in ("float32", "int8") for f in formats) or row_counts[0] < 1 or row_counts[-1] > 16:
+        print("error: --weights takes float32 and int8, --rows 1 to 16.", file=sys.stderr)
         return 2
     if not cpu_kernels.load_cpu_kernel():
         print(f"error: specc's C++ CPU products could not be built here ({cpu_kernels.load_error()}).",
@@ -130,16 +123,11 @@ def main() -> int:
                                   f"{'C++ product' if cpp else 'reduction'}", file=sys.stderr)
                         pkg = compile_products(f == "int8", r, cpp, args, Path(tmp) / f"{f}-{g}-{r}-{cpp}.pt2")
                         calls[(f, g, r, cpp)] = (pkg, args)
-        ms = {key: [] for key in calls}
-        for _ in range(a.rounds):
-            for key, (pkg, args) in calls.items():
-                for _ in range(2):
-                    pkg(*args)
-                for _ in range(a.calls):
-                    t = time.perf_counter()
-                    pkg(*args)
-                    ms[key].append(1000 * (time.perf_counter() - t))
-    med = {key: statistics.median(v) for key, v in ms.items()}
+        # every package in turn each round (2 untimed calls first), the order rotated round by round
+        arms = {key: (lambda pkg=pkg, args=args: harness.call_times(lambda: pkg(*args), a.calls, warmup=2))
+                for key, (pkg, args) in calls.items()}
+        res = harness.paired(arms, a.rounds, warmup=0)
+    med = {key: 1000 * harness.median(t for times in harness.values(res[key]) for t in times) for key in calls}
 
     gb_s = benchfile.machine()["matvec_gb_s"]
     def uses(f: str, g, r: int) -> str:
@@ -160,8 +148,7 @@ def main() -> int:
              f"through AOTInductor after the matvec pass, {a.calls} calls per package per round x {a.rounds} rounds, "
              f"medians. For scale: MKL's sgemv reads {gb_s} GB/s here (the machine line).")
     title = "Products by weight width" if a.by_width else "Decode-step products alone"
-    run = benchfile.new_run(title, [], cmd, products=rows_out)
-    return benchfile.finish(a, run, setup, "\n".join(lines))
+    return harness.record(a, title, setup, "\n".join(lines), command=cmd, products=rows_out)
 
 
 if __name__ == "__main__":

@@ -16,15 +16,13 @@ Usage: python examples/bench_quant.py [--quants none,int8] [--backend inductor] 
 Prints the run; writes it (under History, newest first, Current figures regenerated) only with --write.
 """
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import specc
-from specc import benchfile
+from specc import benchfile, harness
 from specc.data import load_prompts
 from specc.errors import SpeccError
 from specc.models import quiet_libraries
@@ -35,13 +33,7 @@ def read_gb_s(mb: int = 256, reps: int = 7) -> float:
     uses: the speed at which a decode step can at best stream its weights (MKL's sgemv, the
     machine line's "matvec" figure, streams slower than the reductions the engines compile to)."""
     w = torch.full((mb * 2**20 // 4,), 0.5)
-    w.sum()  # first touch of the pages
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        w.sum()
-        times.append(time.perf_counter() - t)
-    return w.numel() * 4 / statistics.median(times) / 1e9
+    return w.numel() * 4 / harness.median(harness.call_times(w.sum, reps, warmup=1)) / 1e9  # warm-up: first touch
 
 
 def engine_dir(root: Path, quant: str, backend: str, progress: bool) -> Path:
@@ -58,10 +50,9 @@ def label(quant: str, backend: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    benchfile.add_arguments(ap, limit=10, max_new_tokens=128)
+    harness.bench_args(ap, limit=10, max_new_tokens=128, rounds=3)
     ap.add_argument("--quants", default="none,int8")
     ap.add_argument("--backend", default="inductor")
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--datasets", default="humaneval,mt-bench")
     ap.add_argument("--engines", default="engines/bench-quant")
     args = ap.parse_args()
@@ -73,29 +64,18 @@ def main() -> int:
     model = engines[quants[0]].manifest["target"]["name"]
     for dataset in args.datasets.split(","):
         ids = [engines[quants[0]].encode(p, chat=True) for p in load_prompts(dataset, args.limit)]
-        for e in engines.values():  # warm-up
-            e.generate(ids[0], max_new_tokens=8, stop_at_eos=False)
-        tps = {q: [] for q in quants}  # per round: the median over prompts
-        same = {q: 0 for q in quants}
-        for rnd in range(args.rounds):
-            order = quants[rnd % len(quants):] + quants[:rnd % len(quants)]
-            per = {q: [] for q in quants}
-            for x in ids:
-                outs = {}
-                for q in order:
-                    r = engines[q].generate(x, max_new_tokens=args.max_new_tokens, stop_at_eos=False)
-                    per[q].append(len(r.token_ids) / r.stats.wall_s)
-                    outs[q] = r.token_ids
-                for q in quants:
-                    same[q] += outs[q] == outs[quants[0]]
-            for q in quants:
-                tps[q].append(statistics.median(per[q]))
-        base = statistics.median(tps[quants[0]])
+        arms = {q: (lambda job, q=q: engines[q].generate(job[0], max_new_tokens=job[1], stop_at_eos=False))
+                for q in quants}
+        res = harness.paired(arms, args.rounds, items=[(x, args.max_new_tokens) for x in ids], warm=(ids[0], 8))
+        tps = {q: harness.median_of_rounds(res[q], key=lambda r: len(r.token_ids) / r.stats.wall_s) for q in quants}
+        first = harness.values(res[quants[0]])
+        same = {q: sum(r.token_ids == f.token_ids for r, f in zip(harness.values(res[q]), first)) for q in quants}
+        base = tps[quants[0]]
         lines += [f"**{dataset}** ({len(ids)} prompts):", "",
                   "| weights | tokens/s | vs first | weight MB per token | memory floor ms/token | same tokens as first |",
                   "|---|---|---|---|---|---|"]
         for q in quants:
-            t = statistics.median(tps[q])
+            t = tps[q]
             lines.append(f"| {q} | {t:.1f} | {t / base:.2f}x | {nbytes[q] / 1e6:.1f} | {nbytes[q] / gb_s / 1e6:.2f} | "
                          f"{same[q]}/{len(ids) * args.rounds} |")
             figures.append(benchfile.figure(label(q, args.backend), dataset, model=model,
@@ -109,9 +89,8 @@ def main() -> int:
              f"rotated each round, EOS ignored, warm-up excluded; tokens/s over the whole generate() call. Memory "
              f"floor: the weight bytes a token reads at this machine's streaming-read speed (a vectorised sum over "
              f"256 MB: {gb_s:.1f} GB/s).")
-    run = benchfile.new_run("Quantized weights, plain decoding", figures, bytes_per_token=nbytes,
-                            read_gb_s=round(gb_s, 1))
-    return benchfile.finish(args, run, setup, "\n".join(lines))
+    return harness.record(args, "Quantized weights, plain decoding", setup, "\n".join(lines), figures,
+                          bytes_per_token=nbytes, read_gb_s=round(gb_s, 1))
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ Speculative decoding gains tau / c(T): a step that verifies T tokens must cost l
 step. For each backend and each T > 1 this compiles an engine whose step graph verifies a chain of T
 tokens (the ngram drafter: no drafter graphs, so the step graph is the target's alone) and times that
 graph against the same engine's plain graph (T = 1) on SmolLM2 with the cache filled to --context
-tokens. Every round times each backend and T in turn (one backend's engines loaded at a time), so
-slow drift of the machine falls on all alike; figures are medians over calls. Compiled engines are
+tokens. Every round times each backend and T in turn (one backend's engines loaded at a time; the
+backends' order rotated round by round), so slow drift of the machine falls on all alike; figures are medians over calls. Compiled engines are
 kept under --engines and reused by later runs by their directory name alone: after changing a pass or
 a backend, give a new --engines directory.
 
@@ -21,15 +21,13 @@ them into the worktree first (`ln -s ../passes <worktree>/specc/passes`, the sam
 """
 import argparse
 import gc
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import specc
-from specc import benchfile
+from specc import benchfile, harness
 from specc.errors import SpeccError
 from specc.data import load_prompts
 
@@ -61,18 +59,14 @@ def main() -> int:
     ap.add_argument("--backends", default="inductor,onnx")
     ap.add_argument("--Ts", default="1,2,4,8,16")
     ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--calls", type=int, default=40, help="calls per T per round")
-    ap.add_argument("--rounds", type=int, default=3)
+    harness.bench_args(ap, rounds=3, calls=40, calls_help="calls per T per round")
     ap.add_argument("--engines", default="engines/cost-curve")
     ap.add_argument("--baseline", metavar="DIR", help="engines compiled by earlier code, timed alongside")
     ap.add_argument("--max-len", type=int, default=512)
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--write", metavar="BENCHMARKS.md")
     a = ap.parse_args()
     Ts = sorted({int(t) for t in a.Ts.split(",")} | {1})
-    if Ts[0] < 1 or a.context + max(Ts) >= a.max_len or a.calls < 1 or a.rounds < 1:
-        print("error: --Ts must be positive, --context + T must fit --max-len, --calls and --rounds >= 1.",
-              file=sys.stderr)
+    if Ts[0] < 1 or a.context + max(Ts) >= a.max_len:
+        print("error: --Ts must be positive, --context + T must fit --max-len.", file=sys.stderr)
         return 2
     cmd = benchfile.command_line()
     backends = a.backends.split(",")
@@ -97,22 +91,18 @@ def main() -> int:
 
     # One backend's engines in memory at a time (each holds its own weights and caches); every round
     # loads each backend's again and times all its Ts in turn.
-    ms = {(label, T): [] for label, *_ in sets for T in Ts}
-    for _ in range(a.rounds):
-        for label, b, root, _ in sets:
-            calls = {T: caller(engine_for(b, T, root, a.max_len, False), T, ids) for T in Ts}
-            for fn in calls.values():  # warm-up
-                for _ in range(3):
-                    fn()
-            for T, fn in calls.items():
-                for _ in range(a.calls):
-                    t = time.perf_counter()
-                    fn()
-                    ms[(label, T)].append(1000 * (time.perf_counter() - t))
-            del calls
-            gc.collect()
+    def time_set(b: str, root: str) -> dict[int, list[float]]:
+        calls = {T: caller(engine_for(b, T, root, a.max_len, False), T, ids) for T in Ts}
+        harness.warm_up(calls, times=3)
+        out = {T: [1000 * s for s in harness.call_times(fn, a.calls)] for T, fn in calls.items()}
+        del calls
+        gc.collect()
+        return out
 
-    med = {key: statistics.median(v) for key, v in ms.items()}
+    res = harness.paired({label: (lambda b=b, root=root: time_set(b, root)) for label, b, root, _ in sets}, a.rounds,
+                         warmup=0)
+    med = {(label, T): harness.median(t for out in harness.values(res[label]) for t in out[T])
+           for label, *_ in sets for T in Ts}
     labels = [label for label, *_ in sets]
     rows = [{"backend": b, "T": T, "ms": round(med[(b, T)], 3), "c": round(med[(b, T)] / med[(b, 1)], 3)}
             for b in labels for T in Ts]
@@ -123,8 +113,7 @@ def main() -> int:
     for b in labels:
         cells = [f"{med[(b, T)]:.1f} ({med[(b, T)] / med[(b, 1)]:.2f})" for T in Ts]
         lines.append(f"| {b} | " + " | ".join(cells) + " |")
-    run = benchfile.new_run("Cost curve of the step graphs", [], cmd, cost_curve=rows)
-    return benchfile.finish(a, run, setup, "\n".join(lines))
+    return harness.record(a, "Cost curve of the step graphs", setup, "\n".join(lines), command=cmd, cost_curve=rows)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import specc
 from specc.models import quiet_libraries
-from specc import benchfile
+from specc import benchfile, harness
 from specc.bench import engine_label
 from specc.data import load_prompts
 
@@ -104,11 +104,10 @@ def main() -> int:
     max_new = a.max_new_tokens or (fig["new_tokens"] if fig else 128)
     print(f"prompt: {'yours' if a.prompt else f'the first {dataset} prompt'}; {WHY[a.drafter]}", flush=True)
 
-    engine.generate(prompt, max_new_tokens=8, chat=True)  # warm-up
-    engine.generate(prompt, max_new_tokens=8, chat=True, speculate=False)
-
-    spec = engine.generate(prompt, max_new_tokens=max_new, chat=True)
-    plain = engine.generate(prompt, max_new_tokens=max_new, chat=True, speculate=False)
+    arms = {"speculative": lambda n: engine.generate(prompt, max_new_tokens=n, chat=True),
+            "plain": lambda n: engine.generate(prompt, max_new_tokens=n, chat=True, speculate=False)}
+    res = harness.paired(arms, 1, items=[max_new], warm=8)  # a warm-up of 8 tokens each, then one run each
+    spec, plain = res["speculative"][0][0], res["plain"][0][0]
     print(spec.text)
     print()
     print(f"drafter {a.drafter} ({engine.manifest['tree']['spec']}{', adaptive' if adaptive else ''}), "

@@ -40,14 +40,15 @@ def regenerated(target, tokenizer, eos, first: int, n: int, response_len: int):
 
 
 def memorise(target, recs, kind: str, steps: int, mask: int) -> dict:
-    from specc.dflash import default_layer_ids
-    from specc.train import DFlashTrainer, MTPTrainer, TrainConfig, evaluate, sequence_features
+    from specc.drafters import get_kind
+    from specc.drafters.dflash.model import default_layer_ids
+    from specc.train import TrainConfig, evaluate, sequence_features
 
     cfg = TrainConfig(drafter=kind, layers=1, block_size=5 if kind == "mtp" else 8, lr=1e-3, anchors=64)
     if kind == "dflash":  # DFlash reads taps: recompute the records with them
         ids = [(r["ids"], int(r["loss"].nonzero()[0]) + 1) for r in recs]
         recs = sequence_features(target, ids, default_layer_ids(target.config.num_hidden_layers, cfg.taps), False, True)
-    tr = (MTPTrainer if kind == "mtp" else DFlashTrainer)(target, cfg, mask, recs)
+    tr = get_kind(kind).TRAINER(target, cfg, mask, recs)
     opt = torch.optim.AdamW(tr.parameters(), lr=cfg.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(0)
     before = evaluate(tr, recs)
@@ -125,8 +126,9 @@ def probe_accuracy(target, train_recs, held_recs, steps: int) -> float:
 
 
 def mtp_accuracy(target, heads_dir, held_recs) -> list[float]:
-    from specc.mtp import load_deepseek_v3, target_parts
-    from specc.train import MTPTrainer, TrainConfig
+    from specc.drafters.mtp.model import load_deepseek_v3, target_parts
+    from specc.drafters.mtp.train import MTPTrainer
+    from specc.train import TrainConfig
 
     heads = load_deepseek_v3(heads_dir, target)
     tr = MTPTrainer(target, TrainConfig(drafter="mtp", block_size=heads.config.depth + 1), 0)
@@ -147,7 +149,7 @@ def main() -> int:
     ap.add_argument("--mtp", action="append", default=[], help="more MTP heads to score (repeatable)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    from specc.dflash import choose_mask_token
+    from specc.drafters.dflash.model import choose_mask_token
     from specc.features import Features
     from specc.shipped import shipped_drafter
     from specc.train import load_target

@@ -22,8 +22,9 @@ size that takes a whole prompt in one call), each graph's compile seconds printe
 and kept in the JSON (`compile_s_per_graph`), so a slow compile shows as a figure, not a timeout. Random drafts are almost never accepted, so every step
 commits about one token; what is measured is the decode time per step of plain decoding (the
 one-token graph), of the unfused speculative step (target step graph, then the drafter's graph)
-and of the fused step (one graph), alternating per prompt, medians over prompts and rounds; once
-with the decode calls replayed from captured CUDA graphs and once launched kernel by kernel
+and of the fused step (one graph), side by side per prompt (specc.harness: the order rotated each
+round), medians over prompts and rounds; once with the decode calls replayed from captured CUDA
+graphs and once launched kernel by kernel
 (`specc.load(..., cuda_graphs=False)`), with the profiler's count of kernel launches, graph
 launches and synchronising calls per step.
 """
@@ -345,14 +346,14 @@ def check_rows(args) -> dict:
 
 def time_engine(args) -> dict:
     """Compile a random engine of args.shape for args.device and time plain, unfused and fused steps."""
-    import statistics
     import tempfile
     from pathlib import Path
 
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     import specc
-    from specc.dflash import DFlashDrafter, dflash_config_for, save_dflash
+    from specc import harness
+    from specc.drafters.dflash.model import DFlashDrafter, dflash_config_for, save_dflash
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when run with python -P
     from gpu_cost_curve import SHAPES
@@ -403,23 +404,16 @@ def time_engine(args) -> dict:
     out = {"device": args.device, "shape": args.shape, "layers": layers, "layers_full": full_layers, "dtype": dtype,
            "compile_s": round(compile_s, 1), "compile_s_per_graph": per_graph, "new_tokens": args.new_tokens}
     for label, engine in engines.items():
-        for path_ in paths:  # warm-up (and, with CUDA graphs, the captures)
-            run(engine, prompts[0], path_, 8)
-        ms = {m: [] for m in paths}
-        tau, same = [], 0
-        for rnd in range(args.rounds):
-            for ids in prompts:
-                outs = {}
-                for path_ in (paths if rnd % 2 == 0 else paths[::-1]):
-                    r = run(engine, ids, path_, args.new_tokens)
-                    ms[path_].append(1000 * (r.stats.wall_s - r.stats.prefill_s) / r.stats.steps)
-                    outs[path_] = r.token_ids
-                    if path_ == "fused":
-                        tau.append(r.stats.tau)
-                same += outs["plain"] == outs["unfused"] == outs["fused"]
-        out[label] = {"runs_per_path": len(ms["fused"]),
-                      "ms_per_step": {m: round(statistics.median(v), 3) for m, v in ms.items()},
-                      "tau": round(statistics.median(tau), 3),
+        # the warm-up (and, with CUDA graphs, the captures), then the paths side by side, order rotated each round
+        arms = {p: (lambda job, e=engine, p=p: run(e, job[0], p, job[1])) for p in paths}
+        res = harness.paired(arms, args.rounds, items=[(ids, args.new_tokens) for ids in prompts],
+                             warm=(prompts[0], 8))
+        ms = harness.medians(res, key=lambda r: harness.decode_ms_per_step(r.stats))
+        runs = zip(*(harness.values(res[p]) for p in paths))  # each prompt run: the three paths' outputs
+        same = sum(len({tuple(r.token_ids) for r in outs}) == 1 for outs in runs)
+        out[label] = {"runs_per_path": len(harness.values(res["fused"])),
+                      "ms_per_step": {m: round(v, 3) for m, v in ms.items()},
+                      "tau": round(harness.median(harness.values(res["fused"], key=lambda r: r.stats.tau)), 3),
                       "identical_runs": f"{same}/{len(prompts) * args.rounds}",
                       "per_step": launches_per_step(engine, prompts[0], run) if cuda else None}
     return out

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 
 import torch
+
+from specc import harness
 
 SHAPES = {  # the layer shapes of the real checkpoints (config.json)
     "smollm2": dict(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -64,9 +64,8 @@ def time_call(fn, device: str, reps: int) -> float:
     if device.startswith("cuda"):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn()
+        with torch.cuda.stream(stream):  # warm-up on a side stream, as capture requires
+            harness.warm_up({"call": fn}, times=3)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -80,14 +79,8 @@ def time_call(fn, device: str, reps: int) -> float:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-        return statistics.median(times)
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(times)
+        return harness.median(times)
+    return 1000 * harness.median(harness.call_times(fn, reps, warmup=1))
 
 
 def copy_bandwidth(device: str) -> float | None:

@@ -211,7 +211,7 @@ def rebuild_target(pack: Path, dest: Path, info: dict) -> Path:
 
 def held_out_records(target, cfg, run_dir: Path):
     """The float32 held-out records of a run directory's sequences, as `specc train` evaluates them."""
-    from specc.dflash import default_layer_ids
+    from specc.drafters.dflash.model import default_layer_ids
     from specc.train import load_sequences, sequence_features
 
     held = load_sequences(run_dir / "train" / "eval.safetensors")
@@ -220,9 +220,10 @@ def held_out_records(target, cfg, run_dir: Path):
 
 def drafter_tau(drafter_dir: Path, target, tokenizer, held_recs) -> dict:
     """The project's held-out evaluation (specc.train.evaluate) of a DSpark drafter directory."""
-    from specc.dflash import choose_mask_token
-    from specc.dspark import load_dspark
-    from specc.train import DSparkTrainer, TrainConfig, evaluate
+    from specc.drafters.dflash.model import choose_mask_token
+    from specc.drafters.dspark.model import load_dspark
+    from specc.drafters.dspark.train import DSparkTrainer
+    from specc.train import TrainConfig, evaluate
 
     d = load_dspark(drafter_dir)
     c = d.config
@@ -527,7 +528,7 @@ def run(a) -> int:
         summary = export(rundir, out)
     except Exception as e:  # a checkpoint cut short by the kill
         raise SystemExit(f"gpu_train: the run's last checkpoint could not be exported ({type(e).__name__}: {e}).")
-    from specc.dspark import load_dspark
+    from specc.drafters.dspark.model import load_dspark
 
     load_dspark(out / "drafter")  # what comes back loads with the project's loader
     ev = summary.get("eval") or {}

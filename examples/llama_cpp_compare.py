@@ -17,14 +17,13 @@ Usage: python examples/llama_cpp_compare.py (--build DIR | --llama-cpp BUILD_DIR
 """
 import argparse
 import re
-import statistics
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
 import specc
-from specc import benchfile
+from specc import benchfile, harness
 from specc.data import load_prompts
 from specc.errors import SpeccError
 from specc.models import default_gguf, quiet_libraries
@@ -65,13 +64,12 @@ def llama_decode(binary: Path, gguf: Path, text: str, n: int) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    benchfile.add_arguments(ap, limit=5, max_new_tokens=128)
+    harness.bench_args(ap, limit=5, max_new_tokens=128, rounds=3)
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--build", metavar="DIR", help="download and build llama.cpp under DIR first")
     where.add_argument("--llama-cpp", metavar="BUILD_DIR", help="an existing llama.cpp cmake build directory")
     ap.add_argument("--gguf", default=None, help="the GGUF file (default: the embedded SmolLM2 Q4_1)")
     ap.add_argument("--quant", default="gguf", help="specc's --quant for the same file (default gguf)")
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--datasets", default="humaneval,mt-bench")
     ap.add_argument("--engines", default="engines/llama-cpp-compare")
     args = ap.parse_args()
@@ -91,21 +89,15 @@ def main() -> int:
         texts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                       add_generation_prompt=True)
                  for p in load_prompts(dataset, args.limit)]
-        engine.generate(texts[0], max_new_tokens=8, stop_at_eos=False)  # warm-up, both sides
-        llama_decode(binary, gguf, texts[0], 8)
-        rounds = {"specc": [], "llama.cpp": []}
-        for rnd in range(args.rounds):
-            per = {"specc": [], "llama.cpp": []}
-            for text in texts:
-                for who in (("specc", "llama.cpp") if rnd % 2 == 0 else ("llama.cpp", "specc")):
-                    if who == "specc":
-                        r = engine.generate(text, max_new_tokens=args.max_new_tokens, stop_at_eos=False)
-                        per[who].append(r.stats.steps / (r.stats.wall_s - r.stats.prefill_s))  # one token a step
-                    else:
-                        per[who].append(llama_decode(binary, gguf, text, args.max_new_tokens))
-            for who in per:
-                rounds[who].append(statistics.median(per[who]))
-        med = {who: statistics.median(v) for who, v in rounds.items()}
+
+        def specc_decode(text: str, n: int) -> float:  # decode tokens/s: one token a step, prefill excluded
+            r = engine.generate(text, max_new_tokens=n, stop_at_eos=False)
+            return r.stats.steps / (r.stats.wall_s - r.stats.prefill_s)
+
+        arms = {"specc": lambda job: specc_decode(*job), "llama.cpp": lambda job: llama_decode(binary, gguf, *job)}
+        res = harness.paired(arms, args.rounds, items=[(text, args.max_new_tokens) for text in texts],
+                             warm=(texts[0], 8))  # warm-up, both sides
+        med = {who: harness.median_of_rounds(res[who]) for who in arms}
         lines += [f"**{dataset}** ({len(texts)} prompts): specc {med['specc']:.1f} decode tokens/s, llama.cpp "
                   f"{med['llama.cpp']:.1f}: specc / llama.cpp = {med['specc'] / med['llama.cpp']:.2f}x.", ""]
         for who in med:
@@ -118,8 +110,7 @@ def main() -> int:
              f"llama-completion (built from the source vendored in llama-cpp-python, 2 threads), back to back on the "
              f"first {args.limit} prompts of each set (chat template, the same text) x {args.max_new_tokens} new tokens "
              f"x {args.rounds} rounds, order alternated, EOS ignored; decode tokens/s excludes prompt processing.")
-    run = benchfile.new_run("specc and llama.cpp on one GGUF", figures)
-    return benchfile.finish(args, run, setup, "\n".join(lines))
+    return harness.record(args, "specc and llama.cpp on one GGUF", setup, "\n".join(lines), figures)
 
 
 if __name__ == "__main__":

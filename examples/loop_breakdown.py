@@ -15,14 +15,13 @@ wall time by the speculative one; "decode only" leaves prefill out of both.
 EOS does not stop generation (both methods produce the same number of tokens).
 """
 import argparse
-import statistics
 import sys
 import time
 from collections import defaultdict
 
 import specc
 import specc.runtime
-from specc import benchfile
+from specc import harness
 from specc.data import load_prompts
 from specc.errors import SpeccError
 from specc.models import quiet_libraries
@@ -70,41 +69,46 @@ def instrument(engine) -> dict:
 
 
 def measure(engine, logs, prompts, new_tokens: int, rounds: int) -> dict:
-    """Per method: wall seconds, seconds per part, calls and per-call times of each graph, tokens, steps."""
-    out = {m: {"wall": 0.0, "parts": defaultdict(float), "calls": defaultdict(list), "tokens": 0, "steps": 0}
-           for m in ("plain", "speculative")}
-    for r in range(rounds):
-        for i, ids in enumerate(prompts):
-            order = ["plain", "speculative"] if (r + i) % 2 == 0 else ["speculative", "plain"]
-            for method in order:
-                for log in logs.values():
-                    log.clear()
-                t0 = time.perf_counter()
-                res = engine.generate(ids, max_new_tokens=new_tokens, speculate=method == "speculative",
+    """Per method: wall seconds, seconds per part, calls and per-call times of each graph, tokens, steps.
+    A warm-up generation of each first; the two methods alternate by round and prompt."""
+    def method(name: str):
+        def call(job):  # one generation: its result, wall seconds, and the timers' logs of it
+            ids, n = job
+            for log in logs.values():
+                log.clear()
+            res, wall = harness.clock(engine.generate, ids, max_new_tokens=n, speculate=name == "speculative",
                                       stop_at_eos=False)
-                wall = time.perf_counter() - t0
-                m = out[method]
-                m["wall"] += wall
-                m["tokens"] += len(res.token_ids)
-                m["steps"] += res.stats.steps
-                spent = 0.0
-                for name, log in list(logs.items()):
-                    part = "prefill" if name == "graph:prefill" else name
-                    m["parts"][part] += sum(log)
-                    spent += sum(log)
-                    if name.startswith("graph:") and name != "graph:prefill" and log:
-                        m["calls"][name[len("graph:"):]].extend(log)
-                m["parts"]["runtime (rest)"] += wall - spent
+            return res, wall, {k: list(v) for k, v in logs.items()}
+        return call
+
+    runs = harness.paired({m: method(m) for m in ("plain", "speculative")}, rounds,
+                          items=[(ids, new_tokens) for ids in prompts], warm=(prompts[0], 8), stagger=True)
+    out = {m: {"wall": 0.0, "parts": defaultdict(float), "calls": defaultdict(list), "tokens": 0, "steps": 0}
+           for m in runs}
+    for method, per_round in runs.items():
+        m = out[method]
+        for res, wall, snapshot in harness.values(per_round):
+            m["wall"] += wall
+            m["tokens"] += len(res.token_ids)
+            m["steps"] += res.stats.steps
+            spent = 0.0
+            for name, log in snapshot.items():
+                part = "prefill" if name == "graph:prefill" else name
+                m["parts"][part] += sum(log)
+                spent += sum(log)
+                if name.startswith("graph:") and name != "graph:prefill" and log:
+                    m["calls"][name[len("graph:"):]].extend(log)
+            m["parts"]["runtime (rest)"] += wall - spent
     return out
 
 
 def report(dataset: str, out: dict, n_prompts: int, lines: list[str]) -> dict:
     """The dataset's tables, appended to `lines`; its figures as a dict."""
-    plain_call = statistics.median(out["plain"]["calls"].get("plain_greedy") or [float("nan")])
+    plain_call = harness.median(out["plain"]["calls"].get("plain_greedy") or [float("nan")])
     rows = {}
     for method, m in out.items():
-        graphs = {name: {"calls": len(ts), "ms": round(statistics.median(ts) * 1000, 2),
-                         "c": round(statistics.median(ts) / plain_call, 2)}
+        graphs = {name: {"calls": len(ts), "ms": round(harness.median(ts) * 1000, 2),
+                         "c": round(harness.median(ts) / plain_call, 2)}
                   for name, ts in sorted(m["calls"].items(), key=lambda kv: -len(kv[1]))}
         rows[method] = {"wall_s": round(m["wall"], 3), "tokens": m["tokens"], "steps": m["steps"],
                         "tau": round(m["tokens"] / max(m["steps"], 1), 3),
@@ -136,16 +140,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("engine")
     ap.add_argument("--datasets", default="humaneval,mt-bench")
-    ap.add_argument("--limit", type=int, default=10)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--write", default=None, metavar="FILE.md",
-                    help="insert this run, dated, under '## History' in FILE.md (default: write nothing)")
-    ap.add_argument("--json", action="store_true")
+    harness.bench_args(ap, limit=10, max_new_tokens=128, rounds=2)
     a = ap.parse_args()
-    if a.limit < 1 or a.rounds < 1 or a.max_new_tokens < 1:
-        print("error: --limit, --rounds and --max-new-tokens must be at least 1.", file=sys.stderr)
-        return 2
     quiet_libraries()
     try:
         engine = specc.load(a.engine)
@@ -163,8 +159,6 @@ def main() -> int:
     results, lines = [], []
     for dataset, texts in sets.items():
         prompts = [engine.encode(t, chat=True) for t in texts]
-        for speculate in (False, True):  # warm-up, not counted
-            engine.generate(prompts[0], max_new_tokens=8, speculate=speculate)
         out = measure(engine, logs, prompts, a.max_new_tokens, a.rounds)
         results.append(report(dataset, out, len(prompts), lines))
     setup = (f"Engine {a.engine} ({engine.manifest['target']['name']}, {engine.manifest['backend']}, "
@@ -172,8 +166,7 @@ def main() -> int:
              f"prompts of each set, chat template on, EOS ignored; each prompt plain and speculative back to "
              f"back, {a.rounds} rounds, the order alternating; times summed over prompts and rounds, per-call "
              f"times medians over every call.")
-    run = benchfile.new_run("Where the time goes", [], benchfile.command_line(), breakdown=results)
-    return benchfile.finish(a, run, setup, "\n".join(lines))
+    return harness.record(a, "Where the time goes", setup, "\n".join(lines), breakdown=results)
 
 
 if __name__ == "__main__":

@@ -18,14 +18,13 @@ tokens are counted, split by where the drafts came from (prompt lookup, the corp
 tree of a few nodes a step should verify, without compiling one.
 """
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import numpy as np
 
 import specc
-from specc import benchfile, corpus
+from specc import benchfile, corpus, harness
 from specc.data import load_prompts
 from specc.drafters.ngram import NgramDrafter, ngram_propose
 from specc.errors import SpeccError
@@ -95,23 +94,20 @@ def tree_steps(rows, tree: Tree, table) -> dict[str, list[int]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("engine")
-    ap.add_argument("--limit", type=int, default=10)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
+    harness.bench_args(ap, limit=10, max_new_tokens=128, json=False)
     ap.add_argument("--ks", default="4,8")
     ap.add_argument("--min-ngrams", default="3,1")
     ap.add_argument("--corpus", default="", help="comma-separated conversation counts of ShareGPT tables to replay")
     ap.add_argument("--trees", default="", help="comma-separated trees (chain:K, topk:D,W) whose single steps to replay")
-    ap.add_argument("--write", metavar="BENCHMARKS.md", help="insert this run, dated, under History in the file")
     a = ap.parse_args()
     try:
         ks, min_ngrams = [int(x) for x in a.ks.split(",")], [int(x) for x in a.min_ngrams.split(",")]
         sizes = [int(x) for x in a.corpus.split(",")] if a.corpus else []
     except ValueError:
         ks = min_ngrams = []
-    if (not ks or not min_ngrams or min(ks + min_ngrams) < 1 or max(min_ngrams) > 4 or a.limit < 1
-            or any(n < 1 for n in sizes)):
+    if not ks or not min_ngrams or min(ks + min_ngrams) < 1 or max(min_ngrams) > 4 or any(n < 1 for n in sizes):
         print("error: --ks and --min-ngrams take comma-separated positive integers (n-grams up to 4), --corpus "
-              "positive conversation counts, --limit at least 1.", file=sys.stderr)
+              "positive conversation counts.", file=sys.stderr)
         return 2
     try:
         trees = {spec: parse_tree(spec) for spec in split_trees(a.trees)}
@@ -161,8 +157,8 @@ def main() -> int:
             for spec, tree in trees.items():
                 by = tree_steps(rows, tree, table)
                 n = sum(len(v) for v in by.values())
-                cells = [f"{statistics.mean(v):.3f} ({len(v) / n:.0%})" if v else "-" for v in by.values()]
-                say(f"| {dataset} | {spec} | {tree.size} | {statistics.mean(sum(by.values(), [])):.3f} | "
+                cells = [f"{sum(v) / len(v):.3f} ({len(v) / n:.0%})" if v else "-" for v in by.values()]
+                say(f"| {dataset} | {spec} | {tree.size} | {sum(map(sum, by.values())) / n:.3f} | "
                     + " | ".join(cells) + " |")
     report = "\n".join(out)
     print(report)

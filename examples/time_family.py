@@ -4,17 +4,18 @@
 
 Each ENGINE is a directory written by `specc compile --adaptive`; it holds one step graph per node
 count of its tree (plain first). Every round times each engine's whole family in turn
-(specc.adaptive.time_family: interleaved calls, medians), so the engines share the machine's drift;
-the figure is the median over rounds. Engines compiled by earlier code load and run with this
+(specc.adaptive.time_family: interleaved calls, medians), the engines' order rotated round by round,
+so the engines share the machine's drift; the figure is the median over rounds. The markdown names
+the machine (its CPU's instruction set: c(T) differs with it). Engines compiled by earlier code load and run with this
 checkout's runtime, which is how a change to a pass is measured against the graphs it replaces.
 """
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import specc
+from specc import harness
 from specc.adaptive import family_sizes, time_family
 from specc.errors import SpeccError
 
@@ -22,12 +23,8 @@ from specc.errors import SpeccError
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("engines", nargs="+", type=Path)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", action="store_true")
+    harness.bench_args(ap, rounds=3, write=False)
     a = ap.parse_args()
-    if a.rounds < 1:
-        print("error: --rounds must be at least 1.", file=sys.stderr)
-        return 2
     try:
         engines = [specc.load(p) for p in a.engines]
     except SpeccError as e:
@@ -37,13 +34,11 @@ def main() -> int:
         print("error: every ENGINE must be compiled with --adaptive (it holds the family of step graphs).",
               file=sys.stderr)
         return 2
-    ms = [[] for _ in engines]
-    for _ in range(a.rounds):
-        for i, engine in enumerate(engines):
-            ms[i].append(time_family(engine))
+    res = harness.paired({i: (lambda e=e: time_family(e)) for i, e in enumerate(engines)}, a.rounds, warmup=0)
     rows = []
-    for path, engine, runs in zip(a.engines, engines, ms):
-        med = [statistics.median(r[k] for r in runs) for k in range(len(runs[0]))]
+    for i, (path, engine) in enumerate(zip(a.engines, engines)):
+        runs = harness.values(res[i])  # each round's milliseconds per member
+        med = [harness.median(r[k] for r in runs) for k in range(len(runs[0]))]
         rows.append({"engine": str(path), "nodes": family_sizes(engine.tree),
                      "ms": [round(m, 2) for m in med], "c": [round(m / med[0], 2) for m in med]})
     if a.json:
@@ -55,6 +50,7 @@ def main() -> int:
     for r in rows:
         cells = [f"{m:.1f} ({c:.2f})" for m, c in zip(r["ms"], r["c"])]
         print(f"| {r['engine']} | " + " | ".join(cells + [""] * (len(sizes) - len(cells))) + " |")
+    print(f"\nMachine: {harness.machine_note(str(engines[0].device))}.")
     return 0
 
 

@@ -9,7 +9,9 @@ __version__ = "0.1.0"
 
 from .errors import SpeccError  # noqa: E402
 
-__all__ = ["compile", "build", "load", "CompileConfig", "Engine", "Result", "Stats", "SpeccError", "__version__"]
+QUANT_CONFIGS = ("Int8WeightOnly", "Int4WeightOnly", "GGUFFile")
+__all__ = ["compile", "build", "load", "CompileConfig", "Engine", "Result", "Stats", "SpeccError", *QUANT_CONFIGS,
+           "__version__"]
 
 
 def __getattr__(name):
@@ -20,6 +22,9 @@ def __getattr__(name):
     if name == "CompileConfig":
         from .config import CompileConfig
         return CompileConfig
+    if name in QUANT_CONFIGS:  # specc.compile(model, quant=specc.Int8WeightOnly(group_size=32))
+        from . import quant
+        return getattr(quant, name)
     if name in ("Engine", "Result", "Stats"):
         from . import runtime
         return getattr(runtime, name)

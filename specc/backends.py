@@ -29,6 +29,7 @@ from torch import nn
 from .errors import SpeccError
 from .models import cache_dir
 from .pipeline import canonical_name
+from .quant import WEIGHT_FORMATS
 from .saved_program import load_program, save_program
 
 def get_backend(name: str) -> "Backend":
@@ -430,8 +431,8 @@ class Backend:
     open: Callable  # (folder, entry, state, device, cuda_graphs) -> graph(*inputs)
     dtypes: tuple = (torch.float32, torch.bfloat16, torch.float16)
     dtype_refusal: str = ""  # the sentence for another dtype
-    quants: tuple = ("none", "int8", "int4", "gguf")
-    quant_refusal: dict = field(default_factory=dict)  # quant -> what is missing for it here
+    weights: tuple = WEIGHT_FORMATS  # the quantized weights its graphs compute with (specc.quant)
+    weight_refusal: dict = field(default_factory=dict)  # weight format -> what is missing for it here
     devices: tuple = ("cpu", "cuda")  # device types its engines run on
     built_later: bool = False  # graphs exported here and built into engines where they run (`specc build`)
     products: str = "none"  # which graphs' few-row products the plans rewrite: all, verify (decode graphs), none
@@ -445,7 +446,7 @@ class Backend:
     check_loadable: Callable | None = None  # (manifest, folder) before an engine loads
 
 
-ONNX_4BIT = "the ONNX lowering of 4-bit blocks is not built yet"
+ONNX_BLOCKS = "the ONNX lowering of block-quantized weights (int4, int8:group_size=32, gguf) is not built yet"
 KINDS: dict[str, Backend] = {b.name: b for b in (
     Backend("eager", "eager", _lower_eager, _open_eager, products="verify", cuda_graphs=True, run=_run_eager),
     Backend("inductor", "AOTInductor", _lower_inductor, _open_inductor, products="all", native_cpu=True,
@@ -453,10 +454,9 @@ KINDS: dict[str, Backend] = {b.name: b for b in (
     Backend("onnx", "ONNX", _lower_onnx, _open_onnx, dtypes=(torch.float32, torch.float16),
             dtype_refusal="the onnx backend runs float32 and float16 engines (onnxruntime has few bfloat16 "
                           "kernels); use --dtype float32 or float16.",
-            quants=("none", "int8"), quant_refusal={"int4": ONNX_4BIT, "gguf": ONNX_4BIT}, onnx_files=True,
+            weights=("float", "int8"), weight_refusal={"blocks": ONNX_BLOCKS}, onnx_files=True,
             requires=_require_onnx),
-    Backend("tensorrt", "TensorRT", _lower_tensorrt, _open_tensorrt, quants=("none",),
-            quant_refusal={"int4": ONNX_4BIT, "gguf": ONNX_4BIT, "int8": "TensorRT engines of int8 weights are not "
-                                                                        "built yet"},
+    Backend("tensorrt", "TensorRT", _lower_tensorrt, _open_tensorrt, weights=("float",),
+            weight_refusal={"blocks": ONNX_BLOCKS, "int8": "TensorRT engines of int8 weights are not built yet"},
             devices=("cuda",), built_later=True, onnx_files=True, requires=_require_onnx, check_loadable=_check_built),
 )}

@@ -7,14 +7,13 @@ number of new tokens (EOS does not stop any method), warm-up excluded, medians q
 """
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from . import benchfile
+from . import benchfile, harness
 from .data import load_prompts
 from .errors import SpeccError
 
@@ -41,7 +40,7 @@ def summarize(name: str, runs: list[dict]) -> dict:
     tps = [r["new_tokens"] / r["wall_s"] for r in runs]
     steps = sum(r.get("steps", 0) for r in runs)
     tau = sum(r["new_tokens"] - 1 for r in runs) / steps if steps else None
-    out = {"method": name, "prompts": len(runs), "tokens_per_s": statistics.median(tps),
+    out = {"method": name, "prompts": len(runs), "tokens_per_s": harness.median(tps),
            "tau": tau, "new_tokens": sum(r["new_tokens"] for r in runs), "steps": steps}
     if any(r.get("lookup_steps") for r in runs):  # a hybrid tree: how often prompt lookup's branch served
         out.update(lookup_steps=sum(r["lookup_steps"] for r in runs), lookup_accepted=sum(r["lookup_accepted"] for r in runs))
@@ -253,15 +252,11 @@ def matvec_floor(model, reps: int = 20) -> dict:
     xs = [torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights]
 
     def median_ms(fn) -> float:
-        times = []
-        with torch.no_grad():
-            for i in range(reps + 2):
-                t0 = time.perf_counter()
-                for w, x in zip(weights, xs):
-                    fn(x, w)
-                if i >= 2:  # the first passes warm the allocator
-                    times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
+        def one_token():
+            for w, x in zip(weights, xs):
+                fn(x, w)
+        with torch.no_grad():  # the first passes warm the allocator
+            return harness.median(harness.call_times(one_token, reps, warmup=2)) * 1e3
 
     linear_ms = median_ms(F.linear)
     stream_ms = median_ms(lambda x, w: w.sum())

@@ -1,4 +1,5 @@
-"""What every benchmark script shares: the machine header, the common arguments, and BENCHMARKS.md.
+"""BENCHMARKS.md and what a run records with its figures: the machine (its CPU's instruction set
+included) and the command. How a script measures (warm-up, rounds, medians) is specc.harness.
 
 BENCHMARKS.md (docs/development.md, "Measurement protocol") opens with "## Current figures": one table built
 from the runs under "## History", which are dated sections, newest first. Each run section carries
@@ -44,33 +45,50 @@ _BLOCK = re.compile(r"^<!-- specc-run\n(.*?)\n-->$", re.S | re.M)
 
 # -- the machine and the command -------------------------------------------------------------------
 
-def machine(device: str = "cpu") -> dict:
+def machine(device: str = "cpu", bandwidth: bool = True) -> dict:
     """This machine as a run records it: architecture, cores, device, torch version, threads, and on a
-    CPU the weight-streaming rate of the day (see matvec_gb_s)."""
+    CPU its model and instruction set and (unless `bandwidth` is False: it takes a second) the
+    weight-streaming rate of the day (see matvec_gb_s)."""
     import torch
 
     on_cuda = str(device).startswith("cuda")
     dev = torch.cuda.get_device_name(device) if on_cuda else "CPU"
     m = {"platform": platform.machine(), "cores": os.cpu_count(), "device": dev,
          "torch": torch.__version__, "threads": torch.get_num_threads()}
-    return m if on_cuda else m | {"cpu": cpu_model(), "matvec_gb_s": matvec_gb_s()}
+    if on_cuda:
+        return m
+    return m | {"cpu": cpu_model()} | ({"matvec_gb_s": matvec_gb_s()} if bandwidth else {})
 
 
-def cpu_model() -> str:
-    """The CPU as /proc/cpuinfo names it, with its widest vector units: this project's machines are
-    not one CPU (AVX2-only on some days, AVX-512 with AMX on others), and compute-bound figures
-    (verify steps, training) differ by several times between them."""
+def _cpuinfo() -> str | None:
     try:
-        info = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text()
     except OSError:
+        return None
+
+
+def isa(cpuinfo: str | None = None) -> str:
+    """The CPU's two widest vector units, e.g. "AMX + AVX-512", "AVX-512 + AVX2" or "AVX2" ("" if it
+    has none of them), from /proc/cpuinfo's flags (or the text given): this project's machines are not
+    one CPU (AVX2-only on some days, AVX-512 with AMX on others), and compute-bound figures (verify
+    steps, training) differ by several times between them, so every figure names it."""
+    info = _cpuinfo() if cpuinfo is None else cpuinfo
+    flag_line = re.search(r"^flags\s*:\s*(.*)$", info or "", re.M)
+    flags = set(flag_line.group(1).split()) if flag_line else set()
+    units = [u for u, f in (("AMX", "amx_tile"), ("AVX-512", "avx512f"), ("AVX2", "avx2")) if f in flags]
+    return " + ".join(units[:2])
+
+
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU as /proc/cpuinfo (or the text given) names it, with its instruction set (see isa)."""
+    info = _cpuinfo() if cpuinfo is None else cpuinfo
+    if info is None:
         return platform.processor() or "unknown"
     name = re.search(r"^model name\s*:\s*(.*)$", info, re.M)
     model = re.search(r"^model\s*:\s*(\d+)$", info, re.M)
-    flag_line = re.search(r"^flags\s*:\s*(.*)$", info, re.M)
-    flags = set(flag_line.group(1).split()) if flag_line else set()
-    units = [u for u, f in (("AMX", "amx_tile"), ("AVX-512", "avx512f"), ("AVX2", "avx2")) if f in flags]
+    units = isa(info)
     text = (name.group(1).strip() if name else "unknown") + (f" (model {model.group(1)})" if model else "")
-    return text + (f", {' + '.join(units[:2])}" if units else "")
+    return text + (f", {units}" if units else "")
 
 
 def matvec_gb_s(mb: int = 256, reps: int = 5) -> float:
@@ -120,19 +138,6 @@ def command_line(argv: list[str] | None = None) -> str:
     except ValueError:
         pass
     return shlex.join(["python", str(script), *argv[1:]])
-
-
-def add_arguments(parser, limit: int = 10, max_new_tokens: int = 128):
-    """The arguments every bench script takes: how much to run, and where (if anywhere) to write."""
-    parser.add_argument("--limit", type=int, default=limit, help=f"the first N prompts of each set (default {limit})")
-    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
-                        help=f"new tokens per prompt; EOS does not stop any method (default {max_new_tokens})")
-    parser.add_argument("--write", "--out", dest="write", default=None, metavar="FILE.md",
-                        help="insert this run, dated, under '## History' in FILE.md (e.g. BENCHMARKS.md) and "
-                             "regenerate its Current figures (default: write nothing; --out is the older name)")
-    parser.add_argument("--json", action="store_true",
-                        help="print the run (figures, machine, command) as one JSON object instead of its markdown")
-    return parser
 
 
 # -- one run ---------------------------------------------------------------------------------------

@@ -145,6 +145,7 @@ def sm90_report(m: dict, as_json: bool) -> int:
     import torch
 
     from .kernels import hopper_build as hb
+    from .quant import parse_quant
 
     why = hb.available()
     if why:
@@ -153,7 +154,8 @@ def sm90_report(m: dict, as_json: bool) -> int:
     sizes = sorted({g["tokens"] for name, g in m["graphs"].items()
                     if name.startswith(("plain", "step", "fused")) and "tokens" in g}) or [1]
     modes = set(m["modes"])
-    gguf = hb.GGUF_FORMATS if m.get("quant", {}).get("target") == "gguf" else ()
+    quant = parse_quant(m.get("quant", {}).get("target"))
+    gguf = quant.block_formats if quant is not None else ()  # the block products its graphs run
     parents, depths = m["tree"]["parents"], m["tree"]["depths"]
 
     def shape_at(T: int) -> tuple[int, int]:  # (depth, widest node) of the tree's first T nodes (a family member)
@@ -365,9 +367,10 @@ def add_compile(sub) -> None:
                    help="prompt tokens per prefill call: one size or several, each a graph (default 128,32: a "
                         "prompt goes through the cheapest mix of calls, as timed at compile)")
     c.add_argument("--dump-ir", default=None, metavar="DIR", help="write the graph after every pass here")
-    c.add_argument("--quant", default="none", metavar="none|int8",
+    c.add_argument("--quant", default="none", metavar="KIND[:FIELD=VALUE]",
                    help="weight-only quantization of the target's linear layers and LM head: int8 (one scale per "
-                        "output row; a quarter of float32's weight bytes per token). Lossless speculation is then "
+                        "output row), int8:group_size=32 (Q8_0 blocks), int4 (Q4_1 blocks), int4:symmetric=true "
+                        "(Q4_0 blocks), gguf (a .gguf model's own blocks), or none. Lossless speculation is then "
                         "with respect to the quantized target")
     c.add_argument("--adaptive", action="store_true",
                    help="ngram: also compile a step graph for each prefix of the tree, time them here, and per step "
@@ -445,10 +448,25 @@ def add_build(sub) -> None:
     b.set_defaults(fn=cmd_build)
 
 
+class TrainedKinds:
+    """`specc train --drafter`'s choices: the kinds with a trainer (specc.train.DRAFTERS, from the kinds'
+    registry). Read only when argparse checks or lists them: the registry imports torch, which every other
+    command's parser would pay for."""
+
+    def __iter__(self):
+        from .train import DRAFTERS
+
+        return iter(DRAFTERS)
+
+    def __contains__(self, name) -> bool:
+        return name in tuple(self)
+
+
 def add_train(sub) -> None:
     t = sub.add_parser("train", help="train a DFlash, DSpark or MTP drafter by self-distillation on ShareGPT prompts")
     t.add_argument("model", nargs="?", default=None, help="target (default: embedded SmolLM2-135M-Instruct)")
-    t.add_argument("--drafter", required=True, choices=["mtp", "dflash", "dspark"])
+    t.add_argument("--drafter", required=True, choices=TrainedKinds(), metavar="KIND",
+                   help="the drafter kind to train: %(choices)s")
     t.add_argument("-o", "--output", required=True, help="run directory; the same command resumes a stopped run")
     t.add_argument("--layers", type=int, help="DFlash / DSpark layers, MTP modules (default 1)")
     t.add_argument("--block-size", type=int, dest="block_size",

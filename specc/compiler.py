@@ -35,7 +35,7 @@ from .hybrid import branch_entry, with_ngram_branch
 from .models import default_gguf, load_model, parse_dtype, sha256_file
 from .pipeline import example_inputs
 from .plans import build_program, graph_plans
-from .quant import FLOAT, GGUF_FILE, load_blocks, quantize_, read_gguf_blocks, save_blocks, weight_bytes
+from .quant import NONE, for_target, load_quant, quant_spec, quantize_, save_quant, weight_bytes
 from .runtime import Engine
 from .prefill import prefill_name
 from .signature import SampledChildren, graph_name
@@ -65,7 +65,7 @@ class EngineModules:
 
 
 def build_modules(kind, target_hf, weights, entry: dict, tree: Tree, cache_len: int,
-                  quant=FLOAT) -> EngineModules:
+                  quant=None) -> EngineModules:
     """The one builder that compile and load share: from the drafter kind, its weights and its manifest
     entry. `quant`: the target's weight quantization (a name or a config), applied once the drafter has taken the float
     tensors it shares with the target (specc/quant.py)."""
@@ -104,7 +104,7 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
     # only where they fit, specc/prefill.py) and for a step's tree.
     cache_len = cfg.max_len + max(cfg.prefill_chunks[-1], tree.size)
     # gguf: the file's own blocks for the products (the float model above is what they decode to)
-    quant = read_gguf_blocks(gguf_path(target), target.model.config) if cfg.quant == "gguf" else cfg.quant
+    quant = for_target(cfg.quant, lambda: gguf_path(target), target.model.config)
     modules = build_modules(kind, target.model, weights, entry, tree, cache_len, quant)
     plans = graph_plans(kind, tree, cfg.prefill_chunks[-1], cache_len, cfg.backend, modules.sampled, cfg.modes,
                         cfg.adaptive, cfg.prefill_chunks[:-1])
@@ -136,8 +136,7 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
         if cfg.dump_ir:  # the shared first stages were copied into each graph's dump
             shutil.rmtree(Path(cfg.dump_ir) / ".base", ignore_errors=True)
         target.model.save_pretrained(stage / "target")
-        if cfg.quant == "gguf":
-            save_blocks(quant, stage / "target" / GGUF_FILE)
+        save_quant(quant, stage / "target")
         if target.tokenizer is not None:
             target.tokenizer.save_pretrained(stage / "target")
         kind.save(weights, stage / "draft", target.model)
@@ -296,7 +295,7 @@ def write_manifest(stage: Path, cfg: CompileConfig, target, modules: EngineModul
         # seconds each graph took to build (capture, passes, lowering; a cached AOTInductor package is quick)
         "compile_s": compile_s or {},
         # what each decoded token reads: the target's weights (quantized or not) and the drafter's own
-        "quant": {"target": cfg.quant, "drafter": FLOAT, "bytes_per_token": {
+        "quant": {"target": quant_spec(cfg.quant), "drafter": NONE, "bytes_per_token": {
             "target": weight_bytes(modules.target), "drafter": weight_bytes(modules.draft, shared=modules.target)}},
         # the graphs call the specc_cpu products (kernels/cpu_kernels.py), which load must build or find
         "cpu_kernels": cpu_kernels_used(cfg),
@@ -413,7 +412,7 @@ def load(path, check_hashes: bool = True, device: str | None = None, cuda_graphs
     entry, tree = manifest["drafter"], tree_from_paths(manifest["tree"]["paths"])
     kind, cache_len, chunk = get_kind(entry["kind"]), manifest["cache_len"], manifest["prefill_chunk"]
     weights = kind.load_saved(path / "draft", entry, model, dtype)
-    quant = manifest.get("quant", {}).get("target", FLOAT)
+    quant = load_quant(manifest.get("quant", {}).get("target", NONE), path / "target")
     if manifest.get("cpu_kernels") or manifest.get("quant", {}).get("cpu_kernel"):  # the latter: older engines
         from specc.kernels.cpu_kernels import load_cpu_kernel, load_error
 
@@ -421,8 +420,6 @@ def load(path, check_hashes: bool = True, device: str | None = None, cuda_graphs
             raise SpeccError(f"this engine's graphs call specc's C++ CPU products, which could not be built here "
                              f"({load_error() or 'turned off by SPECC_CPU_KERNELS=0'}); compile the engine on this "
                              f"machine.")
-    if quant == "gguf":
-        quant = load_blocks(path / "target" / GGUF_FILE)
     modules = build_modules(kind, model, weights, entry, tree, cache_len, quant)
     plans = {p.name: p for p in graph_plans(kind, tree, chunk, cache_len, backend, modules.sampled,
                                             manifest["modes"], "adaptive" in manifest,

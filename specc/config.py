@@ -16,7 +16,7 @@ from .backends import backends_with, check_backend, check_device, get_backend
 from .drafters import get_kind, kinds_with
 from .errors import SpeccError
 from .models import parse_dtype
-from .quant import FLOAT, check_quant
+from .quant import parse_quant, quant_spec
 from .signature import MODES
 from .tree import MAX_TREE_NODES, Tree, chain, is_measured, parse_tree
 
@@ -60,9 +60,10 @@ class CompileConfig:
     # Hybrid trees (specc/hybrid.py): a chain of this many nodes under the root that the runtime fills
     # with prompt lookup's continuation, beside a model drafter's tree. 0: none.
     ngram_branch: int = 0
-    # Weight-only quantization of the target's linear layers (specc/quant.py): none, int8, or gguf (a
-    # GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks).
-    quant: str = "none"
+    # Weight-only quantization of the target's linear layers (specc/quant.py): a config object
+    # (Int8WeightOnly(), Int4WeightOnly(symmetric=True), GGUFFile()) or its --quant string ("none",
+    # "int8", "int8:group_size=32", "int4", "gguf", ...); the config once parsed, None for none.
+    quant: object = None
     # Called as each graph of the engine is finished (captured, passes run, lowered) with its name and
     # seconds, so a caller can report a slow compile as it happens (examples/gpu_check.py prints a
     # line per graph); the manifest's `compile_s` keeps the same figures.
@@ -120,16 +121,18 @@ class CompileConfig:
                 raise SpeccError("--adaptive chooses from the drafter's confidences, which prompt lookup's branch "
                                  "lacks; use --adaptive or --ngram-branch, not both.")
         self._check_ngram_branch(kind)
-        check_quant(self.quant)
-        if self.quant == "gguf" and self.model is not None and Path(self.model).suffix != ".gguf":
-            raise SpeccError("--quant gguf keeps a GGUF file's own blocks; give a .gguf model (or none, for the "
-                             "embedded SmolLM2 GGUF), or use --quant int8.")
-        if self.quant == "gguf" and self.torch_dtype != torch.float32:
-            raise SpeccError("--quant gguf computes in float32 (the activations of its products); use --dtype float32.")
-        if self.quant not in backend.quants:
-            raise SpeccError(f"--quant {self.quant} runs on the {backends_with(lambda b: self.quant in b.quants)} "
-                             f"backends; {backend.quant_refusal[self.quant]}.")
+        self._check_quant(backend)
         kind.check(self)
+
+    def _check_quant(self, backend) -> None:
+        object.__setattr__(self, "quant", q := parse_quant(self.quant))
+        if q is None:
+            return
+        if hasattr(q, "check"):
+            q.check(self)
+        if q.weights not in backend.weights:
+            raise SpeccError(f"--quant {quant_spec(q)} runs on the {backends_with(lambda b: q.weights in b.weights)} "
+                             f"backends; {backend.weight_refusal[q.weights]}.")
 
     def _check_ngram_branch(self, kind) -> None:
         k = self.ngram_branch

@@ -25,7 +25,6 @@ from .adaptive import time_calls
 from .backends import InductorGraph, get_backend, lower_graph
 from .pipeline import example_inputs
 from .plans import build_program
-from .quant import FLOAT
 
 # Below this many bytes of weights per token a step's fixed costs hide the products: the rule applies.
 MIN_TIMED_BYTES = 32 << 20
@@ -36,7 +35,7 @@ def applies(cfg, bytes_per_token: int, cpu_kernels: bool) -> bool:
     """Whether to time the products: Inductor on CPU, float32 weights, the C++ product built here,
     and a target that reads at least MIN_TIMED_BYTES of weights per token."""
     return cpu_kernels and get_backend(cfg.backend).native_cpu and torch.device(cfg.device or "cpu").type == "cpu" \
-        and cfg.torch_dtype == torch.float32 and cfg.quant == FLOAT and bytes_per_token >= MIN_TIMED_BYTES
+        and cfg.torch_dtype == torch.float32 and cfg.quant is None and bytes_per_token >= MIN_TIMED_BYTES
 
 
 def timed_plans(plans: list, widths: set[int]) -> dict:

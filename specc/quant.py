@@ -1,24 +1,30 @@
 """Weight-only quantization of the target's linear layers: `quantize_(target, config)`.
 
 Decoding one token reads every weight once, so on both this CPU and a GPU its time is the weight
-bytes. Three formats:
+bytes. A config is a frozen dataclass (`--quant` parses to one once: `parse_quant`), and a handler
+registered for its type (`@handler`) quantizes each product weight, as torchao's `quantize_` does:
 
-* int8 (`Int8WeightOnly`): each [out, in] product weight as int8 with one float scale per output
-  row (symmetric, round to nearest: w ~= q * scale[out]), a quarter of float32's bytes. The product
-  keeps the scale outside the reduction, `F.linear(x, q.to(x.dtype)) * scale`, so the `matvec` pass
-  hands a few-row product the int8 weight itself (`specc::rows_linear`: on CPU a C++ product that
-  widens it in registers, elsewhere a reduction Inductor fuses the cast into); larger products
-  (prefill chunks) cast and call the GEMM.
-  Quantization is a pure function of the float weights, so an engine stores its target's float
-  weights and `specc.load` quantizes them again to the very same tensors.
-* int4 (`Int4WeightOnly`): blocks of 32 weights along the input, each with a float16 scale and
-  minimum, 4-bit codes (0.625 bytes per weight): GGUF's Q4_1 layout, so it runs on gguf's product.
-  Quantized again at load from the stored float weights, as int8.
-* gguf (`GGUFBlocks`): the blocks a GGUF file stores (Q8_0, Q4_0, Q4_1), kept as they are and
-  decoded inside the product (specc::gguf_linear, kernels/gguf_linear.py). They decode bit for bit
-  to the float weights transformers loads from the file (checked when an engine is built), so such
-  an engine computes the very model a float load of the file gives, from 0.6-1.1 bytes per weight.
-  The engine keeps the blocks (target/gguf_blocks.safetensors).
+* `Int8WeightOnly()` (--quant int8): each [out, in] product weight as int8 with one float scale per
+  output row (symmetric, round to nearest: w ~= q * scale[out]), a quarter of float32's bytes. The
+  product keeps the scale outside the reduction, `F.linear(x, q.to(x.dtype)) * scale`, so the
+  `matvec` pass hands a few-row product the int8 weight itself (`specc::rows_linear`: on CPU a C++
+  product that widens it in registers, elsewhere a reduction Inductor fuses the cast into); larger
+  products (prefill chunks) cast and call the GEMM.
+  `Int8WeightOnly(group_size=32)` (--quant int8:group_size=32): llama.cpp's Q8_0 blocks instead.
+* `Int4WeightOnly()` (--quant int4): blocks of 32 weights along the input, each with a float16
+  scale and minimum, 4-bit codes (0.625 bytes per weight): GGUF's Q4_1 layout.
+  `Int4WeightOnly(symmetric=True)` (--quant int4:symmetric=true): llama.cpp's Q4_0 blocks.
+  The block formats run on the GGUF product (specc::gguf_linear, kernels/gguf_linear.py).
+* `GGUFFile()` (--quant gguf): the blocks a GGUF file stores (Q8_0, Q4_0, Q4_1), read into
+  `GGUFBlocks` and kept as they are. They decode bit for bit to the float weights transformers loads
+  from the file (checked when an engine is built), so such an engine computes the very model a float
+  load of the file gives, from 0.6-1.1 bytes per weight. The engine keeps the blocks
+  (target/gguf_blocks.safetensors).
+
+Quantizing is a pure function of the float weights for every kind but gguf, so an engine stores its
+target's float weights and `specc.load` quantizes them again to the very same tensors; the manifest
+keeps the config as --quant spells it (`quant_spec`). Each config says what its products compute
+with (`weights`: int8 rows or blocks), which the backends declare they lower (Backend.weights).
 
 The same formula runs on every backend, so a quantized engine's plain decoding, its speculative
 decoding and its eager reference all compute the one quantized model: speculation stays lossless
@@ -31,8 +37,11 @@ lines instead of a dependency (torchao 0.18 is on the registry).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -40,35 +49,124 @@ from torch import nn
 
 from .errors import SpeccError
 
-QUANTS = ("none", "int8", "int4", "gguf")
-FLOAT = QUANTS[0]  # no quantization: the weights as loaded
 GGUF_FILE = "gguf_blocks.safetensors"  # an engine's copy of its target's GGUF blocks (in target/)
+GGUF_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+# What a quantized product computes with, which a backend must lower (Backend.weights): float
+# weights, int8 rows with a scale each (Int8Weight), or GGUF-style blocks of 32 (GGUFWeight).
+WEIGHT_FORMATS = ("float", "int8", "blocks")
 
+
+# ---------------------------------------------------------------------------------------------------
+# configs: one frozen dataclass per kind, parsed once from the CLI's string (parse_quant)
 
 @dataclass(frozen=True)
 class Int8WeightOnly:
-    """int8 weights, one float32 scale per output row (symmetric, round to nearest, q in [-127, 127])."""
-    name: str = "int8"
+    """int8 codes, symmetric, round to nearest. group_size None: one float scale per output row
+    (q in [-127, 127]), a product the matvec pass hands the int8 weight itself; 32: blocks of 32
+    along the input with a float16 scale each, as llama.cpp's Q8_0 quantizes them, run on the
+    GGUF product."""
+    group_size: int | None = None
+    NAME: ClassVar[str] = "int8"
+
+    def __post_init__(self):
+        if self.group_size not in (None, 32):
+            raise SpeccError(f"--quant int8:group_size={self.group_size} is not built; use none (one scale per "
+                             f"output row) or 32 (Q8_0 blocks).")
+
+    @property
+    def weights(self) -> str:
+        return "int8" if self.group_size is None else "blocks"
+
+    @property
+    def block_formats(self) -> tuple[str, ...]:
+        return () if self.group_size is None else ("Q8_0",)
 
 
 @dataclass(frozen=True)
 class Int4WeightOnly:
-    """4-bit weights in blocks of 32 along the input, each with a float16 scale and minimum (w ~= d * q
-    + m, q in 0..15, round to nearest): GGUF's Q4_1 layout, so it runs on the same product."""
-    name: str = "int4"
+    """4-bit codes in blocks of 32 along the input. Asymmetric (the default): a float16 scale and
+    minimum per block, both rounded to float16 before the codes are chosen against them (w ~= d * q
+    + m, q in 0..15): GGUF's Q4_1 layout. symmetric: one float16 scale per block (w ~= d * (q - 8)),
+    as llama.cpp's Q4_0 quantizes them. Both run on the GGUF product."""
+    symmetric: bool = False
+    NAME: ClassVar[str] = "int4"
+    weights: ClassVar[str] = "blocks"
+
+    @property
+    def block_formats(self) -> tuple[str, ...]:
+        return ("Q4_0",) if self.symmetric else ("Q4_1",)
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """Keep the blocks of the target's own GGUF file (Q8_0, Q4_0, Q4_1) as they are: the compiler
+    reads them (read_gguf_blocks) into GGUFBlocks, which quantize_ takes."""
+    NAME: ClassVar[str] = "gguf"
+    weights: ClassVar[str] = "blocks"
+    block_formats: ClassVar[tuple] = GGUF_FORMATS
+
+    def check(self, cfg) -> None:
+        if cfg.model is not None and Path(cfg.model).suffix != ".gguf":
+            raise SpeccError("--quant gguf keeps a GGUF file's own blocks; give a .gguf model (or none, for the "
+                             "embedded SmolLM2 GGUF), or use --quant int8.")
+        if cfg.torch_dtype != torch.float32:
+            raise SpeccError("--quant gguf computes in float32 (the activations of its products); use --dtype float32.")
 
 
 @dataclass(frozen=True)
 class GGUFBlocks:
     """The weights as a GGUF file stores them: {product name: (format, qs, d, m)} (read_gguf_blocks)."""
-    blocks: dict
-    name: str = "gguf"
+    blocks: dict = field(compare=False, repr=False)
+    NAME: ClassVar[str] = "gguf"
+    weights: ClassVar[str] = "blocks"
+    block_formats: ClassVar[tuple] = GGUF_FORMATS
 
 
-def check_quant(name: str) -> str:
-    if name not in QUANTS:
-        raise SpeccError(f"unknown --quant {name!r}; use one of {', '.join(QUANTS)}.")
-    return name
+CONFIGS = {c.NAME: c for c in (Int8WeightOnly, Int4WeightOnly, GGUFFile)}  # what --quant names
+NONE = "none"  # no quantization: the weights as loaded
+
+
+def parse_quant(spec) -> object | None:
+    """--quant's value -> a config (None for no quantization): NAME or NAME:FIELD=VALUE[,FIELD=VALUE],
+    e.g. int8, int8:group_size=32, int4:symmetric=true, gguf. A config object passes through."""
+    if spec is None or spec == NONE:
+        return None
+    if not isinstance(spec, str):
+        if not any(isinstance(spec, c) for c in (*CONFIGS.values(), GGUFBlocks)):
+            raise SpeccError(f"unsupported quantization config {spec!r}; use one of "
+                             f"{', '.join(c.__name__ for c in CONFIGS.values())}.")
+        return spec
+    name, _, options = spec.partition(":")
+    if name not in CONFIGS:
+        raise SpeccError(f"unknown --quant {spec!r}; use one of {NONE}, {', '.join(CONFIGS)}.")
+    kind, values = CONFIGS[name], {}
+    fields = {f.name: f for f in dataclasses.fields(kind)}
+    for item in filter(None, options.split(",")):
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise SpeccError(f"--quant {name} takes {', '.join(fields) or 'no options'}; {key!r} is not one of them.")
+        values[key] = _option_value(name, key, value)
+    return kind(**values)
+
+
+def _option_value(name: str, key: str, value: str):
+    low = value.strip().lower()
+    if low in (NONE, ""):  # a field set back to its unset value
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    if low.isdigit():
+        return int(low)
+    raise SpeccError(f"--quant {name}:{key}={value!r} is not a number, true, false or none.")
+
+
+def quant_spec(config) -> str:
+    """The config as --quant spells it (what the manifest keeps and parse_quant reads back)."""
+    if config is None:
+        return NONE
+    changed = [f"{f.name}={str(getattr(config, f.name)).lower()}" for f in dataclasses.fields(config)
+               if f.init and f.name != "blocks" and getattr(config, f.name) != f.default]
+    return config.NAME + (":" + ",".join(changed) if changed else "")
 
 
 class Int8Weight(nn.Module):
@@ -144,6 +242,38 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return qs.contiguous(), d.contiguous(), m.contiguous()
 
 
+def _blocks_of_32(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+    N, K = weight.shape
+    if K % 32:
+        raise SpeccError(f"{fmt} blocks need input sizes that are multiples of 32; a product has {K}.")
+    return weight.detach().float().reshape(N, K // 32, 32)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] -> Q8_0 blocks (qs [N, K/32, 32] int8, d [N, K/32] float16, m empty) as llama.cpp's
+    reference quantizer makes them: d = max |w| / 127, codes w / d rounded half away from zero
+    against the float32 d (gguf-py's bit-exact port is the test's reference)."""
+    w = _blocks_of_32(weight, "Q8_0")
+    d = w.abs().amax(-1, keepdim=True) / 127
+    x = w * torch.where(d == 0, 0, 1 / d).to(torch.float32)
+    a = x.abs()
+    whole = a.floor()
+    q = torch.sign(x) * (whole + torch.floor(2 * (a - whole)))  # round half away from zero, as roundf
+    return q.to(torch.int8).contiguous(), d.squeeze(-1).to(torch.float16).contiguous(), torch.empty(0, dtype=torch.float16)
+
+
+def quantize_q4_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] -> Q4_0 blocks (qs [N, K/32, 16] uint8, d [N, K/32] float16, m empty) as llama.cpp's
+    reference quantizer makes them: d = (the block's value of largest magnitude) / -8, codes
+    trunc(w / d + 8.5) clamped to 0..15 against the float32 d."""
+    w = _blocks_of_32(weight, "Q4_0")
+    big = w.gather(-1, w.abs().argmax(-1, keepdim=True))
+    d = big / -8
+    q = torch.trunc(w * torch.where(d == 0, 0, 1 / d).to(torch.float32) + 8.5).clamp(0, 15).to(torch.uint8)
+    qs = q[..., :16] | (q[..., 16:] << 4)
+    return qs.contiguous(), d.squeeze(-1).to(torch.float16).contiguous(), torch.empty(0, dtype=torch.float16)
+
+
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear for a float weight or a quantized one (a module that computes the product)."""
     if isinstance(weight, torch.Tensor):
@@ -153,38 +283,60 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
 
 
 PRODUCTS = ("wqkv", "wo", "w_gate_up", "w_down")
+# config type -> handler(name, float weight, config) -> the quantized weight module, or None to keep it float
+HANDLERS: dict[type, Callable] = {}
+
+
+def handler(config_type: type):
+    """Register how a config quantizes one product weight (torchao's pattern: a handler per config type)."""
+    def register(fn):
+        HANDLERS[config_type] = fn
+        return fn
+    return register
+
+
+@handler(Int8WeightOnly)
+def _int8(name: str, w: torch.Tensor, config: Int8WeightOnly):
+    return Int8Weight(w) if config.group_size is None else GGUFWeight("Q8_0", *quantize_q8_0(w))
+
+
+@handler(Int4WeightOnly)
+def _int4(name: str, w: torch.Tensor, config: Int4WeightOnly):
+    return GGUFWeight("Q4_0", *quantize_q4_0(w)) if config.symmetric else GGUFWeight("Q4_1", *quantize_int4(w))
+
+
+@handler(GGUFBlocks)
+def _gguf(name: str, w: torch.Tensor, config: GGUFBlocks):
+    if name not in config.blocks:  # stored as float in the file: stays float
+        return None
+    new = GGUFWeight(*config.blocks[name])
+    check_blocks(name, new, w)
+    return new
+
+
+@handler(GGUFFile)
+def _gguf_file(name: str, w: torch.Tensor, config: GGUFFile):
+    raise SpeccError("--quant gguf takes the file's blocks: read them first (read_gguf_blocks).")
 
 
 def quantize_(target: nn.Module, config) -> nn.Module:
     """Replace the target's product weights (each block's fused q/k/v, output, fused gate/up and
     down projections, and the LM head) by quantized ones, in place; returns the target. The
-    embedding table stays float: a token reads one row of it. `config`: Int8WeightOnly,
-    Int4WeightOnly, GGUFBlocks, their names ("int8", "int4"), or None / "none" for no change."""
-    if config is None or config == FLOAT:
+    embedding table stays float: a token reads one row of it. `config`: a config object
+    (Int8WeightOnly(), Int4WeightOnly(symmetric=True), GGUFBlocks(...)), its --quant string, or None."""
+    config = parse_quant(config)
+    if config is None:
         return target
-    if isinstance(config, str):
-        made = {"int8": Int8WeightOnly, "int4": Int4WeightOnly}.get(check_quant(config))
-        if made is None:
-            raise SpeccError("gguf quantization takes the file's blocks (read_gguf_blocks), not a name.")
-        config = made()
-    if not isinstance(config, (Int8WeightOnly, Int4WeightOnly, GGUFBlocks)):
-        raise SpeccError(f"unsupported quantization config {config!r}.")
+    quantize = HANDLERS[type(config)]
     owners = [(f"blocks.{i}.{name}", block, name) for i, block in enumerate(target.blocks) for name in PRODUCTS]
     for full, owner, name in owners + [("w_head", target, "w_head")]:
         w = getattr(owner, name)
         if not isinstance(w, torch.Tensor):
             continue
-        if isinstance(config, Int8WeightOnly):
-            new = Int8Weight(w)
-        elif isinstance(config, Int4WeightOnly):
-            new = GGUFWeight("Q4_1", *quantize_int4(w))
-        elif full in config.blocks:
-            new = GGUFWeight(*config.blocks[full])
-            check_blocks(full, new, w)
-        else:  # stored as float in the file: stays float
-            continue
-        delattr(owner, name)
-        setattr(owner, name, new)
+        new = quantize(full, w, config)
+        if new is not None:
+            delattr(owner, name)
+            setattr(owner, name, new)
     return target
 
 
@@ -195,7 +347,6 @@ def check_blocks(name: str, q: GGUFWeight, w: torch.Tensor) -> None:
                          f"this GGUF cannot be kept in its own quantization (use --quant none or int8).")
 
 
-GGUF_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
 # A target product -> the GGUF tensors it is made of (rows stacked in this order), for llama-architecture files.
 GGUF_PARTS = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",), "w_gate_up": ("ffn_gate", "ffn_up"),
               "w_down": ("ffn_down",)}
@@ -273,6 +424,24 @@ def load_blocks(path) -> GGUFBlocks:
         formats = json.loads(f.metadata()["formats"])
         return GGUFBlocks({name: (fmt, f.get_tensor(f"{name}.qs"), f.get_tensor(f"{name}.d"), f.get_tensor(f"{name}.m"))
                            for name, fmt in formats.items()})
+
+
+def for_target(config, gguf_file, hf_config):
+    """The config quantize_ takes for a compile: GGUFFile becomes the file's blocks."""
+    return read_gguf_blocks(gguf_file(), hf_config) if isinstance(config, GGUFFile) else config
+
+
+def save_quant(config, folder) -> None:
+    """What an engine must keep besides its float weights: a GGUF file's blocks (the other kinds are
+    a pure function of the float weights and are quantized again at load)."""
+    if isinstance(config, GGUFBlocks):
+        save_blocks(config, folder / GGUF_FILE)
+
+
+def load_quant(spec: str, folder):
+    """The manifest's --quant spec -> the config quantize_ takes for a stored engine (folder: ENGINE/target)."""
+    config = parse_quant(spec)
+    return load_blocks(folder / GGUF_FILE) if isinstance(config, GGUFFile) else config
 
 
 def weight_bytes(module: nn.Module | None, shared: nn.Module | None = None) -> int:

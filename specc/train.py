@@ -6,6 +6,10 @@
     drafter's loss (bf16 autocast where the CPU has bf16) -> AdamW, cosine schedule -> checkpoints
     (resumable) and a held-out tau (fp32, exact).
 
+Each drafter's trainer lives with its kind (specc/drafters/<kind>/train.py) and is found through the
+kinds' registry (the kind's TRAINER); this module holds what every run shares: sequences, target
+features, the loop, checkpoints, evaluation and plots.
+
 Labels are always the target's own argmax at each position given the true prefix, so with
 regenerated sequences (the default) a label is exactly what greedy verification will accept,
 and the held-out tau is the exact greedy acceptance length of a chain over those sequences.
@@ -33,15 +37,20 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
-from .dflash import trained_blocks
+from .drafters import KINDS
 from .errors import SpeccError
 from .features import atomic_write as _atomic
 from .features import normalised as _norm
 
-DRAFTERS = ("dflash", "mtp", "dspark")
+# The kinds `specc train` trains (those with a TRAINER), in the registry's order.
+DRAFTERS = tuple(name for name, kind in KINDS.items() if kind.TRAINER is not None)
+
+
+def trainer_of(drafter: str):
+    """The class that trains the drafter kind `drafter` (its TRAINER: specc/drafters/__init__.py), or None."""
+    return KINDS[drafter].TRAINER if drafter in KINDS else None
 
 
 @dataclass
@@ -89,12 +98,14 @@ class TrainConfig:
     time_budget: float = 0.0  # seconds of training steps (0: none); the schedule anneals by elapsed time too
 
     def __post_init__(self):
-        if self.block_size is None:
-            self.block_size = {"mtp": 5, "dspark": 7}.get(self.drafter, 16)
+        trainer = trainer_of(self.drafter)
+        if self.block_size is None and trainer is not None:  # an unknown drafter: check() refuses it
+            self.block_size = trainer.BLOCK_SIZE
 
     def check(self) -> None:
         if self.drafter not in DRAFTERS:
             raise SpeccError(f"`specc train` trains {' and '.join(DRAFTERS)} drafters, not {self.drafter!r}.")
+        trainer = trainer_of(self.drafter)
         if self.labels not in ("regenerate", "data"):
             raise SpeccError(f"--labels {self.labels!r} is unknown; use regenerate or data.")
         if self.rows < 0:
@@ -112,15 +123,16 @@ class TrainConfig:
         if self.features and self.eval_prompts > HELD_OUT_RESERVE:
             raise SpeccError(f"--eval-prompts may be at most {HELD_OUT_RESERVE} with --features (the conversations "
                              f"kept out of every feature extraction).")
-        if self.block_size < (1 if self.drafter == "dspark" else 2):
-            raise SpeccError(f"--block-size must be at least {1 if self.drafter == 'dspark' else 2} (one draft token).")
+        if self.block_size < trainer.MIN_BLOCK:
+            raise SpeccError(f"--block-size must be at least {trainer.MIN_BLOCK} (one draft token).")
         if self.features and self.feature_stream:
             raise SpeccError("--features and --feature-stream are two sources of the same features; give one.")
         if self.feature_stream and self.eval_prompts > HELD_OUT_RESERVE:
             raise SpeccError(f"--eval-prompts may be at most {HELD_OUT_RESERVE} with --feature-stream (the "
                              f"conversations kept out of every feature extraction).")
-        if self.pack_tokens and (not self.feature_stream or self.drafter == "mtp"):
-            raise SpeccError("--pack-tokens packs the sequences of a --feature-stream for dflash and dspark drafters.")
+        if self.pack_tokens and (not self.feature_stream or not trainer.PACKS):
+            packers = " and ".join(n for n in DRAFTERS if trainer_of(n).PACKS)
+            raise SpeccError(f"--pack-tokens packs the sequences of a --feature-stream for {packers} drafters.")
         if self.pack_tokens < 0 or self.time_budget < 0 or min(self.feature_batch_tokens,
                                                                 self.feature_window_tokens) < 1:
             raise SpeccError("--pack-tokens and --time-budget must not be negative, --feature-batch-tokens and "
@@ -225,7 +237,7 @@ def load_sequences(path: Path):
     return out
 
 
-# --------------------------------------------------------------------------------- drafters
+# --------------------------------------------------------------------------------- features
 
 
 @torch.no_grad()
@@ -319,339 +331,6 @@ def load_features(path: Path, meta: dict, device="cpu"):
     return [{k: parts[k][i] for k in parts} for i in range(len(lens))]
 
 
-def target_loss(logits, rec: dict, rows: torch.Tensor, soft: float) -> torch.Tensor:
-    """Per-row loss [R] of drafter logits [R, V] whose labels are the record's positions `rows`:
-    cross-entropy to the target's argmax, mixed with weight `soft` with the cross-entropy to the
-    target's top-k distribution (renormalised; KL up to a constant) where the record has it."""
-    logp = logits.float().log_softmax(-1)
-    ce = -logp.gather(-1, rec["labels"][rows].long().unsqueeze(-1)).squeeze(-1)
-    if not soft or "topk_ids" not in rec:
-        return ce
-    p = rec["topk_logp"][rows].float().softmax(-1)
-    kl = -(p * logp.gather(-1, rec["topk_ids"][rows].long())).sum(-1)
-    return (1 - soft) * ce + soft * kl
-
-
-def hidden_loss(h, rec: dict, rows: torch.Tensor) -> torch.Tensor:
-    """Per-row smooth-L1 [R] between drafter head inputs h [R, H] and the target's at the label
-    positions `rows` (its post-norm hidden: what its LM head read to choose the label), EAGLE-style."""
-    return F.smooth_l1_loss(h.float(), rec["hidden"][rows].float(), reduction="none").mean(-1)
-
-
-def copy_target_layers(layers, target) -> None:
-    """Drafter decoder layers start as copies of the target's last len(layers) layers: the weights that
-    share a name and shape (DFlash's q_norm / k_norm, which Llama lacks, stay ones)."""
-    for dst, src in zip(layers, target.model.layers[-len(layers):]):
-        own = dst.state_dict()
-        dst.load_state_dict({k: v for k, v in src.state_dict().items() if k in own and own[k].shape == v.shape},
-                            strict=False)
-
-
-def _first_scored(rec: dict) -> int:
-    nz = rec["loss"].nonzero()
-    return int(nz[0]) if len(nz) else len(rec["ids"])
-
-
-class DFlashTrainer:
-    """Trains fc on scaled inputs: LLM hidden states carry a few "massive" dimensions (SmolLM2's
-    layers 14 and 27 reach |x| ~ 25000 where a row's RMS is ~10), so one Adam step on fc's columns
-    for those dimensions swings its output wildly, and at initialisation they swamp the context
-    feature after hidden_norm. Training therefore sees every tapped dimension divided by its RMS over
-    a few training sequences (a fixed vector), and the saved fc.weight has that scale folded back in:
-    the checkpoint is the published format and computes exactly the trained function.
-
-    `rec` arguments are one sequence's record (sequence_features / specc.features), or several
-    sequences packed back to back with their lengths in `segments` (FeatureStream): each block then
-    sees its own sequence's context only, at positions counted from that sequence's start, and its rows
-    count only inside it, so a packed record trains what its sequences would one by one. The drafter
-    lives on the target's device, and the records must too."""
-
-    def __init__(self, model, cfg: TrainConfig, mask_token_id: int, recs=()):
-        from .dflash import DFlashDrafter, dflash_config_for, position_weights
-
-        self.model, self.cfg = model, cfg
-        self.device = next(model.parameters()).device
-        self.drafter = DFlashDrafter(dflash_config_for(model.config, num_layers=cfg.layers, block_size=cfg.block_size,
-                                                       num_taps=cfg.taps, mask_token_id=mask_token_id))
-        # The target's final norm is where the drafter's output lands (its LM head's input): start there.
-        with torch.no_grad():
-            self.drafter.norm.weight.copy_(model.model.norm.weight)
-            if cfg.init == "target":
-                copy_target_layers(self.drafter.layers, model)
-        self.embed = model.get_input_embeddings()
-        self.head = model.get_output_embeddings().weight
-        self.weights = position_weights(cfg.block_size).to(self.device)
-        self.scale = torch.ones(self.drafter.fc.in_features, device=self.device)
-        if recs:
-            sq = torch.cat([r["taps"].float() for r in recs[:8]]).pow(2).mean(0)
-            self.scale = (1.0 / sq.sqrt().clamp(min=1e-3)).to(self.device)
-        self.drafter.to(self.device)
-
-    @property
-    def layer_ids(self):
-        return self.drafter.config.target_layer_ids
-
-    def _logits(self, rec, anchors, block=None, lengths=None, head=True):
-        """(logits [nb, D, V], label positions [nb, D], valid [nb, D]) of the D drafting rows of each
-        block: row k of anchor a predicts token a+k (DFlash; rows 1..B-1) or a+k+1 (DSpark, FIRST_ROW 0:
-        rows 0..B-1), whose label is the target's argmax one position earlier; a row counts where that
-        position is scored and, past the first draft, where the text from a+1 on followed the target's
-        greedy path (the only context a chain of drafts reaches). head=False: hidden states [nb, D, H]."""
-        from .dflash import block_hidden, segment_starts
-
-        ids = rec["ids"].long()
-        dev, N = ids.device, len(ids)
-        starts = segment_starts(rec["segments"]) if "segments" in rec else None
-        hidden = block_hidden(self.drafter, self.embed, rec["taps"].float() * self.scale, ids, anchors, block,
-                              lengths, starts)[:, self.FIRST_ROW:]
-        D = hidden.shape[1]
-        pos = anchors.view(-1, 1) + torch.arange(D, device=dev)  # the label position of each row
-        if starts is None:
-            end = N
-        else:  # the end of each anchor's own sequence [nb, 1]
-            seg = rec["segments"]
-            end = torch.repeat_interleave(torch.cumsum(seg, 0), seg)[anchors].view(-1, 1)
-        inside = pos < end
-        pos = torch.where(inside, pos, end - 1)
-        on_path = torch.ones_like(inside)
-        if D > 1:  # the tokens before a row's own, from a+1 on, equal the labels one position earlier
-            follows = torch.cat([ids[1:] == rec["labels"][:-1].long(), torch.zeros(1, dtype=torch.bool, device=dev)])
-            on_path[:, 1:] = follows[pos[:, :-1]].cumprod(dim=1).bool()
-        valid = inside & rec["loss"][pos] & on_path
-        return (F.linear(hidden, self.head) if head else hidden), pos, valid
-
-    FIRST_ROW = 1  # the first block row that drafts (DSpark: 0)
-
-    def _blocks(self, rec, gen):
-        """Random anchors among the scored positions, each with a run-time block length; None if none."""
-        lo, N, dev = _first_scored(rec), len(rec["ids"]), rec["ids"].device
-        cand = lo + rec["loss"][lo:].nonzero().view(-1) if lo < N else torch.zeros(0, dtype=torch.long, device=dev)
-        if len(cand) == 0:
-            return None
-        # The draws come from the CPU generator whatever the device: a run draws the same anchors anywhere.
-        anchors = cand[torch.randperm(len(cand), generator=gen)[: self.cfg.anchors].to(dev)].sort().values
-        # Each block is as long as one of the run-time block sizes, so one drafter serves them all.
-        sizes = torch.tensor(trained_blocks(self.cfg.block_size))
-        return anchors, sizes[torch.randint(len(sizes), (len(anchors),), generator=gen)].to(dev)
-
-    def loss(self, rec, gen):
-        blocks = self._blocks(rec, gen)
-        if blocks is None:
-            return None
-        anchors, lengths = blocks
-        hidden, pos, valid = self._logits(rec, anchors, lengths=lengths, head=False)
-        drafting = torch.arange(self.FIRST_ROW, self.cfg.block_size, device=lengths.device) < lengths.view(-1, 1)
-        w = self.weights.view(1, -1) * valid * drafting
-        rows = w.reshape(-1).nonzero().view(-1)  # the LM head (most of the compute) on counted rows only
-        if len(rows) == 0:
-            return None
-        h, pos = hidden.reshape(-1, hidden.shape[-1])[rows], pos.reshape(-1)[rows]
-        per_row = self._row_loss(h, rec, pos)
-        if self.cfg.regress:
-            per_row = per_row + self.cfg.regress * hidden_loss(h, rec, pos)
-        return (per_row * w.reshape(-1)[rows]).sum() / w.sum()
-
-    def _row_loss(self, h, rec, pos):
-        return target_loss(F.linear(h, self.head), rec, pos, self.cfg.soft)
-
-    def _draft_logits(self, rec, anchors, block):
-        """(logits [nb, drafts, V], label positions [nb, drafts]) of blocks of `block` rows."""
-        logits, pos, _ = self._logits(rec, anchors, block)
-        return logits, pos
-
-    @torch.no_grad()
-    def accepted(self, rec, block=None):
-        """Per anchor with a full block (of `block` rows, default the trained size) inside the scored
-        part of the sequence: drafts matching the target, as a chain."""
-        B, N, dev = block or self.cfg.block_size, len(rec["ids"]), rec["ids"].device
-        drafts = B - self.FIRST_ROW
-        lo, hi = _first_scored(rec), N - drafts
-        if hi <= lo:
-            return torch.zeros(0, drafts, dtype=torch.bool, device=dev)
-        anchors = torch.arange(lo, hi)
-        anchors = anchors[torch.linspace(0, len(anchors) - 1, min(64, len(anchors))).long()].to(dev)
-        logits, pos = self._draft_logits(rec, anchors, block)
-        return logits.argmax(-1) == rec["labels"][pos].long()
-
-    def save(self, path: Path) -> None:
-        import copy
-
-        folded = copy.deepcopy(self.drafter).cpu()
-        with torch.no_grad():
-            folded.fc.weight.mul_(self.scale.cpu())
-        self._write(folded, path)
-
-    def load(self, path: Path) -> None:
-        self.drafter.load_state_dict(self._read(path).state_dict())
-        with torch.no_grad():
-            self.drafter.fc.weight.div_(self.scale)
-
-    def _write(self, drafter, path: Path) -> None:
-        from .dflash import save_dflash
-
-        save_dflash(drafter, path)
-
-    def _read(self, path: Path):
-        from .dflash import load_dflash
-
-        return load_dflash(path)
-
-    def parameters(self):
-        return self.drafter.parameters()
-
-    def named_parameters(self):
-        return self.drafter.named_parameters()
-
-
-class DSparkTrainer(DFlashTrainer):
-    """DFlash's trainer (fc on scaled inputs, anchors, run-time block sizes, the greedy-path mask)
-    with every block row scored and DSpark's heads and loss (arXiv 2607.05147): per row k (weight
-    exp(-k/gamma)), 0.1 x cross-entropy to the target's argmax + 0.9 x the total variation between the
-    drafter's and the target's distributions + 1.0 x a cross-entropy of the confidence head toward
-    1 - TV (TV held fixed there). The target's distribution is its top-k from the features plus one
-    cell for the rest of the vocabulary (TV over that partition: a lower bound of the full one), or
-    its argmax alone where a record has no top-k. The Markov head reads the text's token before each
-    row's label, which on the greedy path (the only rows counted past the first) is the previous draft."""
-
-    CE, TV, CONF = 0.1, 0.9, 1.0
-    FIRST_ROW = 0
-
-    def __init__(self, model, cfg: TrainConfig, mask_token_id: int, recs=()):
-        from .dflash import dflash_config_for, position_weights
-        from .dspark import DSparkDrafter
-
-        super().__init__(model, cfg, mask_token_id, recs)
-        dense = self.drafter.state_dict()
-        self.drafter = DSparkDrafter(dflash_config_for(model.config, num_layers=cfg.layers, block_size=cfg.block_size,
-                                                       num_taps=cfg.taps, mask_token_id=mask_token_id), cfg.markov_rank)
-        self.drafter.load_state_dict(dense, strict=False)  # the backbone as DFlash's trainer set it up
-        self.drafter.to(self.device)
-        self.weights = position_weights(cfg.block_size + 1).to(self.device)  # B drafts weighted like DFlash's B+1
-
-    def _heads(self, h, rec, pos):
-        """(draft logits [R, V], confidence logits [R]) of rows h [R, H] whose labels sit at `pos`."""
-        return self.drafter.heads(F.linear(h, self.head), h, rec["ids"][pos].long())
-
-    def _row_loss(self, h, rec, pos):
-        logits, conf = self._heads(h, rec, pos)
-        logp = logits.float().log_softmax(-1)
-        ce = -logp.gather(-1, rec["labels"][pos].long().unsqueeze(-1)).squeeze(-1)
-        tv = total_variation(logp.exp(), rec, pos)
-        conf_loss = F.binary_cross_entropy_with_logits(conf.float(), (1 - tv).detach().clamp(0, 1), reduction="none")
-        return self.CE * ce + self.TV * tv + self.CONF * conf_loss
-
-    def _draft_logits(self, rec, anchors, block):
-        # A chain's Markov input past the anchor is the previous draft; while the chain is accepted that
-        # is the target's label one position earlier (training reads the text's token instead: the same
-        # on the rows it counts, which follow the greedy path).
-        hidden, pos, _ = self._logits(rec, anchors, block, head=False)
-        prev = torch.cat((rec["ids"][pos[:, :1]], rec["labels"][pos[:, :-1]]), dim=1).long()
-        h = hidden.reshape(-1, hidden.shape[-1])
-        logits, _ = self.drafter.heads(F.linear(h, self.head), h, prev.reshape(-1))
-        return logits.view(*pos.shape, -1), pos
-
-    def _write(self, drafter, path: Path) -> None:
-        from .dspark import save_dspark
-
-        save_dspark(drafter, path)
-
-    def _read(self, path: Path):
-        from .dspark import load_dspark
-
-        return load_dspark(path)
-
-
-def total_variation(p, rec: dict, rows: torch.Tensor) -> torch.Tensor:
-    """½‖p - p_target‖₁ per row [R] for drafter probabilities p [R, V] at the record's positions
-    `rows`: over the target's top-k and one cell for the rest of the vocabulary where the record has
-    its top-k (a lower bound of the full distance), else against its argmax (exact: 1 - p(label))."""
-    if "topk_ids" not in rec:
-        return 1 - p.gather(-1, rec["labels"][rows].long().unsqueeze(-1)).squeeze(-1)
-    pt = rec["topk_logp"][rows].float().exp()
-    pd = p.gather(-1, rec["topk_ids"][rows].long())
-    rest = ((1 - pd.sum(-1)) - (1 - pt.sum(-1))).abs()
-    return 0.5 * ((pd - pt).abs().sum(-1) + rest)
-
-
-class MTPTrainer:
-    layer_ids = ()
-
-    def __init__(self, model, cfg: TrainConfig, mask_token_id: int, recs=()):
-        from .mtp import build_heads, target_parts
-
-        self.model, self.cfg = model, cfg
-        self.depth = cfg.block_size - 1
-        self.heads = build_heads(model, num_modules=cfg.layers, depth=self.depth)
-        if cfg.init == "target":
-            with torch.no_grad():
-                copy_target_layers([m.layer for m in self.heads.mtp], model)
-        self.parts = target_parts(model)
-
-    def _hidden(self, rec):
-        """Per depth d = 1..D: the LM head's inputs [N-d, H] (the final norm applied) whose row i is
-        labelled at position i+d (the target's argmax there: its prediction of token i+d+1). The head
-        itself is applied by the caller to the rows it scores: it is most of the compute."""
-        parts = {**self.parts, "lm_head": torch.nn.Identity()}
-        return [h[0] for h in self.heads.forward_train(rec["hidden"].float()[None], rec["ids"].long()[None], **parts)]
-
-    def loss(self, rec, gen):
-        """Depth d row i counts where position i+d is scored and, for d >= 2, where the tokens it reads
-        after the root (t_{i+2} .. t_{i+d}) are the target's greedy choices: at run time they are the
-        previous depths' drafts, and a chain only goes on while those are accepted."""
-        total, D, head = 0.0, self.depth, self.parts["lm_head"].weight
-        for d, (h, rows) in enumerate(zip(self._hidden(rec), self.counted(rec)), start=1):
-            if self.cfg.rows and len(rows) > self.cfg.rows:  # the LM head is most of the step: score a sample
-                rows = rows[torch.randperm(len(rows), generator=gen)[:self.cfg.rows].to(rows.device)].sort().values
-            if len(rows):
-                per_row = target_loss(F.linear(h[rows], head), rec, rows + d, self.cfg.soft)
-                if self.cfg.regress:
-                    per_row = per_row + self.cfg.regress * hidden_loss(h[rows], rec, rows + d)
-                total = total + per_row.mean() / D
-        return total if torch.is_tensor(total) else None
-
-    def counted(self, rec) -> list[torch.Tensor]:
-        """Per depth d = 1..D, the rows i that count (see loss)."""
-        ids, labels = rec["ids"].long(), rec["labels"].long()
-        follows = ids[1:] == labels[:-1]  # follows[j]: token j+1 is the target's greedy choice after j
-        on_path, out = torch.ones(len(ids), dtype=torch.bool, device=ids.device), []
-        for d in range(1, self.depth + 1):
-            n = max(len(ids) - d, 0)
-            if d >= 2:
-                on_path = on_path[:n] & follows[d - 1:d - 1 + n]
-            out.append((rec["loss"][d:d + n] & on_path[:n]).nonzero().view(-1))
-        return out
-
-    @torch.no_grad()
-    def accepted(self, rec, block=None):
-        N, D = len(rec["ids"]), self.depth
-        lo, hi = _first_scored(rec), N - D  # rows whose every depth has a label
-        if hi <= lo:
-            return torch.zeros(0, D, dtype=torch.bool, device=rec["ids"].device)
-        hidden, head = self._hidden(rec), self.parts["lm_head"].weight
-        rows, labels = torch.arange(lo, hi, device=rec["ids"].device), rec["labels"].long()
-        return torch.stack([F.linear(hidden[d - 1][rows], head).argmax(-1) == labels[rows + d]
-                            for d in range(1, D + 1)], dim=1)
-
-    def save(self, path: Path) -> None:
-        from .mtp import save_deepseek_v3
-
-        save_deepseek_v3(self.heads, path, self.model)
-
-    def load(self, path: Path) -> None:
-        from .mtp import load_deepseek_v3
-
-        self.heads.load_state_dict(load_deepseek_v3(path, self.model).state_dict())
-
-    def parameters(self):
-        return self.heads.parameters()
-
-    def named_parameters(self):
-        return self.heads.named_parameters()
-
-
-TRAINERS = {"dflash": DFlashTrainer, "mtp": MTPTrainer, "dspark": DSparkTrainer}
-
-
 def tau_of(accepted: torch.Tensor, k: int | None = None) -> float:
     """Greedy chain acceptance length (bonus token included) from per-position matches [n, D]."""
     if accepted.shape[0] == 0:
@@ -706,7 +385,8 @@ def _load_state(opt, trainer, path: Path) -> int:
 
 def evaluate(trainer, recs) -> dict:
     """Held-out greedy acceptance. `tau`: a chain of every draft of the trained block (DFlash) or depth
-    (MTP); `tau_chain{k}`: its first k drafts; `tau_block{b}` (DFlash): blocks run at size b."""
+    (MTP); `tau_chain{k}`: its first k drafts; `tau_block{b}`: blocks run at size b, for each of the
+    trainer's shorter_blocks() (DFlash, DSpark)."""
     acc = torch.cat([trainer.accepted(r) for r in recs])
     D = acc.shape[1]
     out = {"tau": round(tau_of(acc), 4), "anchors": int(acc.shape[0]),
@@ -714,10 +394,9 @@ def evaluate(trainer, recs) -> dict:
     for k in (1, 2, 3, 4, 8, 16):
         if k < D:
             out[f"tau_chain{k}"] = round(tau_of(acc, k), 4)
-    if isinstance(trainer, DFlashTrainer):
-        for b in trained_blocks(trainer.cfg.block_size)[:-1]:
-            short = torch.cat([trainer.accepted(r, b) for r in recs])
-            out[f"tau_block{b}"] = round(tau_of(short), 4)
+    for b in trainer.shorter_blocks():
+        short = torch.cat([trainer.accepted(r, b) for r in recs])
+        out[f"tau_block{b}"] = round(tau_of(short), 4)
     return out
 
 
@@ -828,7 +507,7 @@ def _run_features(target, seqs, held, cfg: TrainConfig, work: Path, fast, progre
     drafter alone. Training features are computed and kept in `fast` (bf16 where the CPU has it) and cached;
     held-out ones in fp32, so the held-out tau is exact."""
     layer_ids = _layer_ids(target, cfg)
-    want_hidden = cfg.drafter == "mtp" or cfg.regress > 0
+    want_hidden = _wants_hidden(cfg)
     fmeta = {**{k: asdict(cfg)[k] for k in DATA_FIELDS}, "drafter": cfg.drafter, "layer_ids": layer_ids,
              "dtype": str(fast), "hidden": want_hidden}
     recs = load_features(work / "features.safetensors", fmeta, next(target.parameters()).device) if seqs else []
@@ -840,15 +519,20 @@ def _run_features(target, seqs, held, cfg: TrainConfig, work: Path, fast, progre
 
 
 def _layer_ids(target, cfg: TrainConfig) -> list[int]:
-    from .dflash import default_layer_ids
+    from .drafters.dflash.model import default_layer_ids
 
-    return default_layer_ids(target.config.num_hidden_layers, cfg.taps) if cfg.drafter != "mtp" else []
+    return default_layer_ids(target.config.num_hidden_layers, cfg.taps) if trainer_of(cfg.drafter).READS_TAPS else []
+
+
+def _wants_hidden(cfg: TrainConfig) -> bool:
+    """Whether records carry the target's post-norm hidden: the drafter reads it, or --regress does."""
+    return trainer_of(cfg.drafter).READS_HIDDEN or cfg.regress > 0
 
 
 def feature_spec(target, name: str, taps: int, max_len: int, sources: str, shard_tokens: int = 1 << 17,
                  code_share: float = 0.25):
     """The FeatureSpec of a run: taps and hidden both, so one extraction serves MTP, DFlash and DSpark."""
-    from .dflash import default_layer_ids
+    from .drafters.dflash.model import default_layer_ids
     from .features import FeatureSpec
 
     return FeatureSpec(taps=tuple(default_layer_ids(target.config.num_hidden_layers, taps)), hidden=True,
@@ -919,8 +603,7 @@ def _feature_stream(target, tokenizer, cfg: TrainConfig):
     if corpus.meta["tokenizer"] != tokenizer_digest(tokenizer):
         raise SpeccError(f"the corpus in {cfg.feature_stream!r} was tokenized with another tokenizer than this "
                          f"target's; pre-tokenize it with this target.")
-    spec = dataclasses.replace(corpus.spec, taps=tuple(_layer_ids(target, cfg)),
-                               hidden=cfg.drafter == "mtp" or cfg.regress > 0)
+    spec = dataclasses.replace(corpus.spec, taps=tuple(_layer_ids(target, cfg)), hidden=_wants_hidden(cfg))
     return FeatureStream(corpus, target, spec, cfg.seed, cfg.pack_tokens, cfg.feature_batch_tokens,
                          cfg.feature_window_tokens, cfg.feature_precision)
 
@@ -1023,7 +706,7 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
     `smoke`: the target is a tiny random Llama over MODEL's tokenizer (saved in train/smoke-target),
     and the default config is SMOKE. `device`: where the target and the drafter run (cpu, cuda[:N])."""
     from .backends import check_device
-    from .dflash import choose_mask_token
+    from .drafters.dflash.model import choose_mask_token
 
     cfg = config or (TrainConfig(**SMOKE) if smoke else TrainConfig())
     cfg.check()
@@ -1049,7 +732,7 @@ def train(model=None, output_dir=None, config: TrainConfig | None = None, smoke:
 
     # Drafter and optimizer, from the last checkpoint when resuming.
     mask = choose_mask_token(tokenizer, target.config.vocab_size)
-    trainer = TRAINERS[cfg.drafter](target, cfg, mask, draw.first(8))
+    trainer = trainer_of(cfg.drafter)(target, cfg, mask, draw.first(8))
     opt = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, weight_decay=0.0)
     history, step = [], 0
     if resumed is not None and (work / "state.safetensors").is_file():

@@ -162,7 +162,7 @@ def _mtp_checkpoint(c: Ctx, modules: int = 1, hidden: int | None = None) -> str:
     """MTP heads (DeepSeek-V3 layout) for the tiny model, or for a tiny model of another hidden size."""
     from transformers import AutoModelForCausalLM
 
-    from specc.mtp import build_heads, save_deepseek_v3
+    from specc.drafters.mtp.model import build_heads, save_deepseek_v3
     from tiny import tiny_model
 
     tgt = tiny_model("llama", hidden=hidden) if hidden else AutoModelForCausalLM.from_pretrained(c.model)

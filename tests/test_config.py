@@ -92,6 +92,7 @@ NAME = "ngram-eager"
 DEFAULT_TREE = "chain:3"
 DRAFTS, FILLS_TREES, MEASURED_TREES, SAMPLED_CHILDREN, ADAPTIVE = True, True, False, False, False
 OPTIONS = frozenset()
+TRAINER = None  # not trained
 check, save, load_saved, taps, module, plans = (ngram.check, ngram.save, ngram.load_saved, ngram.taps,
                                                ngram.module, ngram.plans)
 

@@ -13,9 +13,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import tiny_tokenizer  # noqa: E402
 from tiny import tiny_model  # noqa: E402
 
-from specc.dflash import (DFlashConfig, DFlashDrafter, DFlashStep, block_mask, check_fits,  # noqa: E402
-                          choose_mask_token, default_layer_ids, dflash_config_for, draft_logits, load_dflash,
-                          position_weights, save_dflash)
+from specc.drafters.dflash.model import (DFlashConfig, DFlashDrafter, DFlashStep, block_mask,  # noqa: E402
+                                         check_fits, choose_mask_token, default_layer_ids, dflash_config_for,
+                                         draft_logits, load_dflash, position_weights, save_dflash)
 from specc.errors import SpeccError  # noqa: E402
 
 PUBLISHED_KEYS = {"norm.weight", "fc.weight", "hidden_norm.weight"} | {

@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specc
-from specc.dflash import dflash_config_for
-from specc.dspark import (DSparkDrafter, load_dspark, markov_drafts, markov_drafts_reference, save_dspark)
+from specc.drafters.dflash.model import dflash_config_for
+from specc.drafters.dspark.model import (DSparkDrafter, load_dspark, markov_drafts, markov_drafts_reference,
+                                         save_dspark)
 from specc.errors import SpeccError
 from specc.tree import tree_from_paths
 from test_engine import PROMPT, hf_greedy, random_dflash, record
@@ -94,13 +95,14 @@ def test_checkpoint_round_trip_and_refusals(tmp_path):
 
 
 @pytest.mark.parametrize("tree", ["chain:4", "topk:2,2"])
-def test_dspark_engine_drafts_the_teacher_forced_forward(tmp_path, tree):
+def test_dspark_engine_drafts_the_teacher_forced_forward(tmp_path, tree, monkeypatch):
     """Greedy output equals the target's, fused and unfused; every tree the drafter's graph drafts
     equals the oracle over a teacher-forced forward of the committed tokens (context rows, positions,
     anchor, and the anchor row drafting), confidences included; the fused step returns the
     confidences the drafter's graph gives for the same trees. The block is the trained length (4)
     even where the tree is shallower."""
-    from specc.dflash import block_hidden
+    from specc import strategies
+    from specc.drafters.dflash.model import block_hidden
     from specc.tree import parse_tree
 
     model = tiny_model("llama", vocab=64, layers=3, seed=2)
@@ -112,7 +114,7 @@ def test_dspark_engine_drafts_the_teacher_forced_forward(tmp_path, tree):
     engine = specc.load(path)
     t = parse_tree(tree)
     propose = type(engine.drafter).propose.__get__(engine.drafter)
-    fused_step = type(engine)._fused_step.__get__(engine)
+    fused_step = strategies.fused_step
     rated = {False: [], True: []}  # per generation step: the confidences of the tree drafted for the next one
 
     def proposing(committed):
@@ -125,7 +127,8 @@ def test_dspark_engine_drafts_the_teacher_forced_forward(tmp_path, tree):
         rated[True].append(run.next_confidence.tolist())
         return out
 
-    engine.drafter.propose, engine._fused_step = proposing, fused
+    engine.drafter.propose = proposing
+    monkeypatch.setattr(strategies, "fused_step", fused)  # the strategy the engine picks
     for use_fused in (False, True):
         engine.use_fused = use_fused
         seen = []
@@ -153,7 +156,8 @@ def test_training_forward_is_the_engine_chain(tmp_path):
     """The trainer's evaluation forward (the held-out tau) drafts what the engine's chain drafts:
     over text where the drafts were accepted (the committed tokens followed by the engine's drafts,
     labelled as the target's choices), its argmax per block row equals the engine's drafts."""
-    from specc.train import DSparkTrainer, TrainConfig
+    from specc.drafters.dspark.train import DSparkTrainer
+    from specc.train import TrainConfig
 
     model = tiny_model("llama", vocab=64, layers=3, seed=2)
     model.save_pretrained(tmp_path / "m")

@@ -315,7 +315,7 @@ def test_one_compile_per_graph_at_a_time(tmp_path, monkeypatch):
 
 
 def random_dflash(target, path, block=4, layers=1, seed=0):
-    from specc.dflash import DFlashDrafter, dflash_config_for, save_dflash
+    from specc.drafters.dflash.model import DFlashDrafter, dflash_config_for, save_dflash
 
     torch.manual_seed(seed)
     d = DFlashDrafter(dflash_config_for(target.config, num_layers=layers, block_size=block, num_taps=2,
@@ -332,7 +332,7 @@ def test_dflash_engine_greedy_and_context_rows(tmp_path, arch, backend):
     """Greedy output equals the target's; every block the engine drafts equals the teacher-forced
     reference forward over the committed tokens (so the context rows, positions and anchor that
     the runtime feeds the drafter's cache are the right ones)."""
-    from specc.dflash import draft_logits
+    from specc.drafters.dflash.model import draft_logits
 
     model = tiny_model(arch, vocab=64, layers=3, seed=2)
     model.save_pretrained(tmp_path / "m")
@@ -395,7 +395,7 @@ def mtp_checkpoint(target, path, kind: str, seed: int = 0):
     acceptance length occurs; DeepSeek-V3 layout.
     normed: random heads with their own final norm fed back (Qwen3-Next style) and the MiMo concat
     order, in the Qwen3-Next layout: the engine must carry both settings through its own copy."""
-    from specc.mtp import build_heads, save_deepseek_v3, save_qwen3_next
+    from specc.drafters.mtp.model import build_heads, save_deepseek_v3, save_qwen3_next
 
     torch.manual_seed(seed)
     if kind == "copy":
@@ -423,7 +423,7 @@ def test_mtp_engine_greedy_and_drafts(tmp_path, arch, backend, tree, kind):
     recursion that the runtime and MTPStep feed the cache are the right ones)."""
     from safetensors import safe_open
 
-    from specc.mtp import MTP_FILE, cached_scheme_drafts
+    from specc.drafters.mtp.model import MTP_FILE, cached_scheme_drafts
 
     model = tiny_model(arch, vocab=64, layers=1 if kind == "copy" else 2, seed=2)
     with torch.no_grad():

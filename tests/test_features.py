@@ -12,7 +12,12 @@ import torch
 
 from specc.errors import SpeccError
 from specc.features import Features, FeatureSpec, conversation_sequence, extract
-from specc.train import TRAINERS, DFlashTrainer, MTPTrainer, TrainConfig, evaluate, target_loss, total_variation
+from specc.drafters import get_kind
+from specc.drafters.dflash.train import DFlashTrainer
+from specc.drafters.dspark.train import total_variation
+from specc.drafters.mtp.train import MTPTrainer
+from specc.drafters.training import hidden_loss, target_loss
+from specc.train import TrainConfig, evaluate
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +157,6 @@ def test_mtp_scores_a_sample_of_rows_when_asked():
 
 def test_drafter_layers_start_from_the_target_and_regression_reads_its_hidden():
     from tiny import tiny_model
-    from specc.train import hidden_loss
 
     model = tiny_model("llama", vocab=64, layers=4, seed=0)
     mtp = MTPTrainer(model, TrainConfig(drafter="mtp", block_size=3, init="target"), 3)
@@ -207,7 +211,7 @@ def test_training_memorises_a_few_sequences(smol, tmp_path, kind):
     """Trained and evaluated on the same four sequences (the target's own greedy continuations, as
     regenerated training data is), a correct pipeline memorises them (tau far above 2). Drafts scored
     against shifted labels (an offset bug) could not."""
-    from specc.dflash import choose_mask_token, default_layer_ids
+    from specc.drafters.dflash.model import choose_mask_token, default_layer_ids
     from specc.features import target_features
 
     torch.manual_seed(0)
@@ -225,7 +229,7 @@ def test_training_memorises_a_few_sequences(smol, tmp_path, kind):
         r["ids"], r["labels"] = r["ids"].long(), r["labels"].long()
         recs.append(r)
     cfg = TrainConfig(drafter=kind, block_size=4, taps=2, anchors=32, lr=3e-3, markov_rank=16)
-    tr = TRAINERS[kind](model, cfg, choose_mask_token(tok, model.config.vocab_size), recs)
+    tr = get_kind(kind).TRAINER(model, cfg, choose_mask_token(tok, model.config.vocab_size), recs)
     opt = torch.optim.AdamW(tr.parameters(), lr=cfg.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(0)
     before = evaluate(tr, recs)["tau"]
@@ -237,7 +241,7 @@ def test_training_memorises_a_few_sequences(smol, tmp_path, kind):
     after = evaluate(tr, recs)
     assert after["tau"] > 2.5 > before, (before, after)
     tr.save(tmp_path / "saved")  # the published format computes what was trained (fc's input scale folded in)
-    again = TRAINERS[kind](model, cfg, choose_mask_token(tok, model.config.vocab_size), recs)
+    again = get_kind(kind).TRAINER(model, cfg, choose_mask_token(tok, model.config.vocab_size), recs)
     again.load(tmp_path / "saved")
     assert evaluate(again, recs) == after
 

@@ -16,10 +16,11 @@ import torch
 from conftest import cli_env
 from tiny import tiny_model
 
-from specc.dflash import segment_starts
+from specc.drafters.dflash.model import segment_starts
+from specc.drafters.dspark.train import DSparkTrainer
 from specc.errors import SpeccError
 from specc.features import FeatureSpec, FeatureStream, TokenCorpus, batch_features, target_features
-from specc.train import DSparkTrainer, TrainConfig, lr_at
+from specc.train import TrainConfig, lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = FeatureSpec(taps=(0, 1), topk=4, hidden=False, model="tiny")
@@ -135,8 +136,8 @@ def test_dry_run_end_to_end(tmp_path):
     """--prepare --tiny, the parts but the last stashed (as separate device calls would), the run on the
     CPU with the last part carried: a drafter the project's loader reads, its training.json, held-out
     tau, and files within what the device returns."""
-    from specc.dflash import check_fits
-    from specc.dspark import load_dspark
+    from specc.drafters.dflash.model import check_fits
+    from specc.drafters.dspark.model import load_dspark
     from transformers import AutoConfig
 
     env = dict(cli_env(), SPECC_GPU_TRAIN_TMP=str(tmp_path / "stash"))

@@ -150,25 +150,42 @@ def test_no_drafter_branching_outside_the_kinds(kind):
     pattern = re.compile(r"""(==|!=|\bin\b)\s*\(?[^)\n]*["']""" + re.escape(kind) + r"""["']""")
     hits = []
     for name, path in modules().items():
-        if name.startswith("specc.drafters") or name in ("specc.cli", "specc.train", "specc.shipped"):
-            continue  # the kinds themselves; the CLI's and training's own choices of what to train
+        if name.startswith("specc.drafters") or name in ("specc.cli", "specc.shipped"):
+            continue  # the kinds themselves; the CLI's and the shipped drafters' own choices
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if pattern.search(line) and not line.lstrip().startswith("#"):
                 hits.append(f"{name}:{i}: {line.strip()}")
     assert hits == []
 
 
+# What specc/train.py's loop, evaluation and TrainConfig ask of a trainer (specc/drafters/__init__.py).
+TRAINER_METHODS = ("loss", "accepted", "shorter_blocks", "parameters", "named_parameters", "save", "load")
+TRAINER_CONSTANTS = ("BLOCK_SIZE", "MIN_BLOCK", "READS_TAPS", "READS_HIDDEN", "PACKS")
+# Every kind, and whether `specc train` trains it (a new kind is listed here).
+TRAINED = {"none": False, "ngram": False, "draft-model": False, "mtp": True, "dflash": True, "dspark": True}
+
+
 def test_every_kind_implements_the_protocol():
     from specc.drafters import KINDS
+    from specc.train import DRAFTERS, trainer_of
 
-    constants = ("NAME", "DEFAULT_TREE", "DRAFTS", "FILLS_TREES", "MEASURED_TREES", "SAMPLED_CHILDREN", "OPTIONS")
+    constants = ("NAME", "DEFAULT_TREE", "DRAFTS", "FILLS_TREES", "MEASURED_TREES", "SAMPLED_CHILDREN", "OPTIONS",
+                 "TRAINER")
     functions = ("check", "load", "entry", "save", "load_saved", "taps", "module", "plans", "runtime")
+    assert set(KINDS) == set(TRAINED)
     for name, kind in KINDS.items():
         assert kind.NAME == name
         assert all(hasattr(kind, c) for c in constants), name
         assert all(callable(getattr(kind, f, None)) for f in functions), name
         if kind.MEASURED_TREES:
             assert callable(getattr(kind, "calibration_depth", None)), name
+        trainer = kind.TRAINER  # the one registry of trainers: `specc train` finds them here
+        assert (trainer is not None) == TRAINED[name] == (name in DRAFTERS) and trainer_of(name) is trainer, name
+        if trainer is not None:
+            assert isinstance(trainer, type), name
+            assert all(callable(getattr(trainer, m, None)) for m in TRAINER_METHODS), name
+            assert all(hasattr(trainer, c) for c in TRAINER_CONSTANTS), name
+            assert 1 <= trainer.MIN_BLOCK <= trainer.BLOCK_SIZE, name
 
 
 def tracked_text_files() -> list[Path]:
@@ -218,9 +235,38 @@ def test_no_backend_branching_outside_the_backends(name):
 
 def test_every_backend_implements_the_protocol():
     from specc.backends import KINDS, Backend
+    from specc.quant import WEIGHT_FORMATS
 
     for name, backend in KINDS.items():
         assert isinstance(backend, Backend) and backend.name == name
         assert callable(backend.lower) and callable(backend.open) and callable(backend.passes)
         assert backend.products in ("all", "verify", "none") and set(backend.devices) <= {"cpu", "cuda"}
-        assert all(q in backend.quant_refusal for q in ("none", "int8", "int4", "gguf") if q not in backend.quants)
+        assert set(backend.weights) <= set(WEIGHT_FORMATS)
+        assert all(w in backend.weight_refusal for w in WEIGHT_FORMATS if w not in backend.weights)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "gguf", "none"])
+def test_no_quant_branching_outside_the_quant_kinds(name):
+    """A quantization is a config object with a handler (specc/quant.py): elsewhere its name is never
+    compared; code asks the config (its `weights`, its `block_formats`) instead."""
+    pattern = re.compile(r"""quant\w*\s*(==|!=|\bin\b)\s*\(?[^)\n]*["']""" + re.escape(name) + r"""["']""")
+    hits = [f"{mod}:{i}: {line.strip()}" for mod, path in modules().items() if mod != "specc.quant"
+            for i, line in enumerate(path.read_text().splitlines(), 1)
+            if pattern.search(line) and not line.lstrip().startswith("#")]
+    assert hits == []
+
+
+def test_a_wheel_would_hold_every_package_and_data_file():
+    """pyproject lists packages by hand (two of them come from top-level folders): every folder with an
+    __init__.py, and the kernels' C++ sources, must be in it, or a non-editable install breaks."""
+    import tomllib
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {".".join([prefix, *f.parent.relative_to(folder).parts])
+             for prefix, folder in PACKAGE_DIRS.items() for f in folder.rglob("__init__.py")}
+    assert set(tool["packages"]) == found
+    assert {k: str(v) for k, v in tool["package-dir"].items()} == {"specc.passes": "passes", "specc.kernels": "kernels"}
+    data = tool["package-data"]
+    for f in (ROOT / "kernels").iterdir():
+        if f.suffix not in (".py", ".pyc") and f.is_file():
+            assert any(f.match(pattern) for pattern in data.get("specc.kernels", [])), f.name

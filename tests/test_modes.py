@@ -190,16 +190,15 @@ def test_one_host_read_per_step_with_host_drafts(tiny_model_dir, tmp_path, watch
     assert len(reads) == res.stats.steps + 1, reads
 
 
-def test_a_second_read_is_counted(mtp_sampled, watched):
+def test_a_second_read_is_counted(mtp_sampled, watched, monkeypatch):
     """The counter's negative control: a runtime that reads the accepted count on its own (as the
     runtime before the device-resident loop did) fails the count."""
+    from specc import strategies
+
     reads = watched(mtp_sampled)
-    real = mtp_sampled._advance
-    mtp_sampled._advance = lambda run, res: (int(res.report[0]), real(run, res))[1]
-    try:
-        res = mtp_sampled.generate(PROMPT, max_new_tokens=12, stop_at_eos=False)
-    finally:
-        del mtp_sampled._advance
+    real = strategies.advance
+    monkeypatch.setattr(strategies, "advance", lambda run, res: (int(res.report[0]), real(run, res))[1])
+    res = mtp_sampled.generate(PROMPT, max_new_tokens=12, stop_at_eos=False)
     assert len(reads) == 2 * res.stats.steps + 1
 
 

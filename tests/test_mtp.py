@@ -12,8 +12,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny import tiny_model  # noqa: E402
 
 from specc.errors import SpeccError  # noqa: E402
-from specc.mtp import (MTP_FILE, build_heads, load_deepseek_v3, load_mtp, load_qwen3_next, mtp_loss,  # noqa: E402
-                      reference_drafts, save_deepseek_v3, save_qwen3_next, target_hidden, target_parts)
+from specc.drafters.mtp.model import (MTP_FILE, build_heads, load_deepseek_v3, load_mtp,  # noqa: E402
+                                      load_qwen3_next, mtp_loss, reference_drafts, save_deepseek_v3,
+                                      save_qwen3_next, target_hidden, target_parts)
 
 V = 64
 
@@ -335,7 +336,7 @@ def test_reference_drafts(arch):
 @torch.no_grad()
 def test_layer_is_the_targets_class_and_capture_block_wraps_it(arch):
     from specc.target_module import Block, causal_mask
-    from specc.mtp import MTPHeads, mtp_config_for
+    from specc.drafters.mtp.model import MTPHeads, mtp_config_for
 
     model = target(arch)
     built = MTPHeads(mtp_config_for(model.config))  # the layer class found from the config alone
@@ -358,7 +359,7 @@ def test_layer_is_the_targets_class_and_capture_block_wraps_it(arch):
 
 
 def mtp_step(heads, model, depth: int, cache_len: int = 64):
-    from specc.mtp import MTPStep
+    from specc.drafters.mtp.model import MTPStep
 
     return MTPStep(heads, model.model.embed_tokens, model.model.norm, model.lm_head.weight, model.model.rotary_emb,
                    cache_len, depth)
@@ -389,7 +390,7 @@ def test_target_module_final_norm_tap():
 def test_step_module_matches_cached_scheme(arch, kw):
     """Rows fed in padded pieces, as the runtime feeds them (random padding: it must not matter);
     after each call the drafts equal the uncached reference of the scheme at that committed length."""
-    from specc.mtp import cached_scheme_drafts
+    from specc.drafters.mtp.model import cached_scheme_drafts
 
     model = target(arch)
     heads = random_heads(model, **kw)
@@ -412,7 +413,7 @@ def test_step_module_matches_cached_scheme(arch, kw):
 @torch.no_grad()
 def test_depth_one_equals_teacher_forced_reference(arch):
     """Depth 1 of the cached scheme is exactly reference_drafts' d_1 (they differ only from depth 2)."""
-    from specc.mtp import cached_scheme_drafts
+    from specc.drafters.mtp.model import cached_scheme_drafts
 
     model = target(arch)
     for seed in range(4):
@@ -428,7 +429,7 @@ def test_depth_one_equals_teacher_forced_reference(arch):
 
 
 def test_engines_refuse_several_modules():
-    from specc.mtp import cached_scheme_drafts
+    from specc.drafters.mtp.model import cached_scheme_drafts
 
     model = target("llama")
     heads = random_heads(model, num_modules=2)
@@ -443,7 +444,7 @@ def test_normed_feedback_survives_the_deepseek_layout(tmp_path):
     """Qwen3-Next-style heads (own norm, normed feedback) written in the DeepSeek-V3 layout, as an
     engine stores them, load back the same even when their norm equals the target's, and with
     their trained depth."""
-    from specc.mtp import FEEDBACK_KEY, cached_scheme_drafts
+    from specc.drafters.mtp.model import FEEDBACK_KEY, cached_scheme_drafts
 
     model = target("llama")
     heads = random_heads(model, has_final_norm=True, feedback="normed", depth=3)

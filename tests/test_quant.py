@@ -1,7 +1,8 @@
-"""Weight-only int8 (specc/quant.py): the quantizer against its definition, a quantized TargetModule
-against a Hugging Face model carrying the same dequantized weights, and quantized engines: lossless
-with respect to the quantized target (greedy, and sampling checked statistically), what the manifest
-and `specc inspect` say, and the refusals."""
+"""Weight-only quantization (specc/quant.py): the quantizers against their definitions (and against
+gguf-py, llama.cpp's own quantizers, for the Q8_0 and Q4_0 blocks), the configs and their --quant
+spelling, a quantized TargetModule against a Hugging Face model carrying the same dequantized
+weights, and quantized engines: lossless with respect to the quantized target (greedy, and sampling
+checked statistically), what the manifest and `specc inspect` say, and the refusals."""
 import copy
 import json
 
@@ -12,8 +13,9 @@ from torch import nn
 import specc
 from specc.config import CompileConfig
 from specc.errors import SpeccError
-from specc.quant import (GGUFBlocks, GGUFWeight, Int8Weight, quantize_, quantize_int4, quantize_int8,
-                         weight_bytes)
+from specc.quant import (HANDLERS, GGUFBlocks, GGUFFile, GGUFWeight, Int4WeightOnly, Int8Weight, Int8WeightOnly,
+                         parse_quant, quant_spec, quantize_, quantize_int4, quantize_int8, quantize_q4_0,
+                         quantize_q8_0, weight_bytes)
 from specc.target_module import TargetModule, causal_mask
 from test_engine import hf_greedy
 from test_sampling import NEW, PROMPT, RUNS, V, exact_distribution, g_test
@@ -22,13 +24,10 @@ from tiny import tiny_model
 S = 40
 
 
-def round_trip(w: torch.Tensor, quant: str) -> torch.Tensor:
-    if quant == "int8":
-        q, s = quantize_int8(w)
-        return q.float() * s[:, None]
-    from specc.kernels.gguf_linear import dequantize
-
-    return dequantize(*quantize_int4(w), "Q4_1")
+def round_trip(w: torch.Tensor, quant) -> torch.Tensor:
+    """The float weight a quantized product computes with (its config's handler, then dequantized)."""
+    config = parse_quant(quant)
+    return HANDLERS[type(config)]("w", w, config).dequantized().to(w.dtype)
 
 
 def dequantized_hf(model, quant: str = "int8"):
@@ -67,17 +66,59 @@ def test_int4_round_trip():
     assert torch.all(round_trip(w, "int4")[2, :32] == m[2, 0].float())
 
 
-def test_quantized_target_module_matches_dequantized_hf():
+@pytest.mark.parametrize("fmt,quantize", [("Q8_0", quantize_q8_0), ("Q4_0", quantize_q4_0)])
+def test_llama_cpp_blocks_are_llama_cpps_own(fmt, quantize):
+    """int8:group_size=32 and int4:symmetric=true quantize as llama.cpp does: byte for byte what gguf-py
+    (its bit-exact port) makes of the same float32 weights, ties, zero blocks and huge values included."""
+    import gguf
+    import numpy as np
+
+    from specc.kernels.gguf_linear import split_blocks
+
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(9, 128, generator=g) * torch.logspace(-4, 3, 9)[:, None]
+    w[1, :32] = 0.0  # a zero block: d = 0
+    w[2, 32:64] = 2.5  # a constant block
+    w[3, :32] = torch.arange(32) - 16.0  # codes exactly at halves
+    w[4, 64:96] = -w[4, 64:96].abs()  # the largest magnitude negative: Q4_0's d flips sign
+    raw = torch.from_numpy(np.array(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[fmt])))
+    for got, want in zip(quantize(w), split_blocks(raw, fmt)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.view(torch.uint8) if got.numel() else got, want.view(torch.uint8) if want.numel() else want)
+
+
+def test_configs_parse_once_and_spell_back():
+    assert parse_quant("none") is None and parse_quant(None) is None
+    assert parse_quant("int8") == Int8WeightOnly() and parse_quant("int8:group_size=32") == Int8WeightOnly(32)
+    assert parse_quant("int4:symmetric=true") == Int4WeightOnly(symmetric=True)
+    assert isinstance(parse_quant("gguf"), GGUFFile)
+    for spec in ("none", "int8", "int8:group_size=32", "int4", "int4:symmetric=true", "gguf"):
+        assert quant_spec(parse_quant(spec)) == spec
+    assert parse_quant(Int4WeightOnly()) == Int4WeightOnly()  # a config passes through
+    assert (Int8WeightOnly().weights, Int8WeightOnly(32).weights, Int4WeightOnly().weights) == ("int8", "blocks", "blocks")
+    assert Int4WeightOnly(symmetric=True).block_formats == ("Q4_0",) and Int8WeightOnly(32).block_formats == ("Q8_0",)
+    for bad, words in (("int8:group_size=64", "is not built; use none"), ("int8:bits=4", "takes group_size"),
+                       ("int4:symmetric=maybe", "is not a number, true, false or none"),
+                       ("gguf:x=1", "takes no options")):
+        with pytest.raises(SpeccError, match=words):
+            parse_quant(bad)
+    with pytest.raises(SpeccError, match="unsupported quantization config"):
+        parse_quant(3)
+
+
+@pytest.mark.parametrize("quant,module", [("int8", Int8Weight), ("int8:group_size=32", GGUFWeight),
+                                          ("int4", GGUFWeight), ("int4:symmetric=true", GGUFWeight)])
+def test_quantized_target_module_matches_dequantized_hf(quant, module):
     model = tiny_model("llama", vocab=64, layers=2, seed=3)
-    tm = quantize_(TargetModule(model, S), "int8")
-    assert all(isinstance(getattr(b, n), Int8Weight) for b in tm.blocks for n in ("wqkv", "wo", "w_gate_up", "w_down"))
-    assert isinstance(tm.w_head, Int8Weight) and tm.embed_tokens.weight.dtype == torch.float32
-    ref = TargetModule(dequantized_hf(model), S)
+    tm = quantize_(TargetModule(model, S), quant)
+    assert all(isinstance(getattr(b, n), module) for b in tm.blocks for n in ("wqkv", "wo", "w_gate_up", "w_down"))
+    assert isinstance(tm.w_head, module) and tm.embed_tokens.weight.dtype == torch.float32
+    ref = TargetModule(dequantized_hf(model, quant), S)
     T = 6
     args = (torch.randint(0, 64, (1, T)), torch.arange(T).view(1, T), torch.arange(T), causal_mask(T, 0, S))
     with torch.no_grad():
         torch.testing.assert_close(tm(*args)[0], ref(*args)[0], atol=1e-4, rtol=1e-4)
-    # a quarter of the product weights' bytes (plus a scale per row)
+    # at most a quarter of the product weights' bytes (plus the scales)
     fp = weight_bytes(TargetModule(model, S))
     assert weight_bytes(tm) < 0.3 * fp + 64 * 64 * 4  # the embedding row and norms stay float
 
@@ -92,7 +133,8 @@ def quant_dir(tmp_path_factory):
 
 # Suite time: int8 through Inductor runs in examples/bench_quant.py (and int4 here covers the
 # quantized graphs through AOTInductor).
-@pytest.mark.parametrize("quant,backend", [("int8", "eager"), ("int4", "inductor"), ("int8", "onnx")])
+@pytest.mark.parametrize("quant,backend", [("int8", "eager"), ("int4", "inductor"), ("int8", "onnx"),
+                                           ("int4:symmetric=true", "eager")])
 def test_quantized_engine_is_lossless_to_the_quantized_target(quant_dir, tmp_path, quant, backend):
     """Speculative greedy == the engine's own plain decoding == HF on the dequantized weights; for
     int4 on Inductor, specc::gguf_linear inside every compiled graph; for int8 on onnx, int8
@@ -109,7 +151,7 @@ def test_quantized_engine_is_lossless_to_the_quantized_target(quant_dir, tmp_pat
     engine = specc.load(path)
     if backend == "inductor":  # the graphs take the quantized tensors (load quantized the stored float weights again)
         keys = set(m["graphs"]["plain_greedy"]["state_keys"])
-        want = {"w_head.q", "w_head.scale", "blocks.1.w_down.q"} if quant == "int8" else {"w_head.qs", "blocks.1.w_down.d"}
+        want = {"w_head.qs", "blocks.1.w_down.d"}  # int4's blocks
         assert want <= keys and "w_head" not in keys
     if backend == "onnx":  # the int8 weights stay int8 in the graphs (their casts are not folded away)
         import onnx
@@ -201,8 +243,10 @@ def test_gguf_target_module_computes_the_loaded_model(fmt):
 def test_bad_quant_is_refused(tmp_path):
     with pytest.raises(SpeccError, match="unknown --quant 'int3'; use one of none, int8, int4, gguf"):
         CompileConfig(output_dir=tmp_path / "e", quant="int3")
-    with pytest.raises(SpeccError, match="the ONNX lowering of 4-bit blocks is not built yet"):
+    with pytest.raises(SpeccError, match="the ONNX lowering of block-quantized weights .* is not built yet"):
         CompileConfig(output_dir=tmp_path / "e", quant="int4", backend="onnx")
+    with pytest.raises(SpeccError, match="--quant int8:group_size=32 runs on the eager and inductor backends"):
+        CompileConfig(output_dir=tmp_path / "e", quant=Int8WeightOnly(group_size=32), backend="onnx")
     with pytest.raises(SpeccError, match="TensorRT engines of int8 weights are not built yet"):
         CompileConfig(output_dir=tmp_path / "e", quant="int8", backend="tensorrt")
     with pytest.raises(SpeccError, match="--quant gguf keeps a GGUF file's own blocks; give a .gguf model"):

@@ -55,7 +55,7 @@ def smoke_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_smoke_trains_a_loadable_drafter(smoke_run):
-    from specc.dflash import load_dflash
+    from specc.drafters.dflash.model import load_dflash
 
     out, res = smoke_run
     assert res["steps"] == 40 and res["sequences"] > 0 and res["eval"]["tau"] >= 1.0
@@ -103,7 +103,7 @@ def test_engine_with_trained_drafter_is_lossless(smoke_run, tmp_path):
 
 @pytest.mark.slow
 def test_mtp_smoke(tmp_path):
-    from specc.mtp import load_deepseek_v3
+    from specc.drafters.mtp.model import load_deepseek_v3
     from specc.train import train
     from transformers import AutoModelForCausalLM
 
@@ -124,11 +124,12 @@ def _smoke():
 def test_accepted_on_sequences_too_short_for_a_block():
     """A held-out response shorter than a block gives no anchors rather than an error."""
     from tiny import tiny_model
-    from specc.train import DFlashTrainer, MTPTrainer, sequence_features
+    from specc.drafters import get_kind
+    from specc.train import sequence_features
 
     model = tiny_model("llama", vocab=64, layers=2, seed=0)
-    for cls in (DFlashTrainer, MTPTrainer):
-        tr = cls(model, TrainConfig(drafter="dflash" if cls is DFlashTrainer else "mtp", block_size=4, taps=2), 3)
+    for kind in ("dflash", "mtp"):
+        tr = get_kind(kind).TRAINER(model, TrainConfig(drafter=kind, block_size=4, taps=2), 3)
         for n, rows in ((6, 0), (20, 13)):  # 1 response token (block of 4), then 15
             ids = torch.arange(n)
             (rec,) = sequence_features(model, [(ids, 5)], tr.layer_ids, True, True)
@@ -140,9 +141,10 @@ def test_saved_drafter_folds_the_input_scale(tmp_path):
     """Training sees taps divided by their RMS; the saved fc.weight folds that scale back in, so the
     published-format checkpoint computes exactly what was trained, and loading it to resume unfolds it."""
     from tiny import tiny_model
-    from specc.dflash import draft_logits, load_dflash
-    from specc.dflash import default_layer_ids
-    from specc.train import DFlashTrainer, sequence_features, target_view
+    from specc.drafters.dflash.model import draft_logits, load_dflash
+    from specc.drafters.dflash.model import default_layer_ids
+    from specc.drafters.dflash.train import DFlashTrainer
+    from specc.train import sequence_features, target_view
 
     model = tiny_model("llama", vocab=64, layers=4, seed=1)
     seqs = [(torch.randint(0, 64, (30,), generator=torch.Generator().manual_seed(i)), 10) for i in range(3)]

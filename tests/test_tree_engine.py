@@ -53,7 +53,7 @@ def test_comb_tree():
 def test_dflash_tree_drafts_are_ranked_candidates(tmp_path):
     """Every node holds the drafter's candidate of its rank at its block position (the reference
     forward's top-k), and greedy output equals the target's."""
-    from specc.dflash import draft_logits
+    from specc.drafters.dflash.model import draft_logits
 
     model = tiny_model("llama", vocab=64, layers=3, seed=2)
     model.save_pretrained(tmp_path / "m")
@@ -75,7 +75,7 @@ def test_dflash_tree_drafts_are_ranked_candidates(tmp_path):
 
 
 def test_mtp_tree_drafts_are_ranked_candidates(tmp_path):
-    from specc.mtp import cached_scheme_drafts
+    from specc.drafters.mtp.model import cached_scheme_drafts
 
     model, dpath, heads = mtp_target(tmp_path)
     engine = specc.load(specc.compile(tmp_path / "m", drafter="mtp", drafter_path=dpath, tree=tree_file(tmp_path),

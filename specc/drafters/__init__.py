@@ -1,5 +1,8 @@
 """Drafter kinds, registered by their CLI name. Each kind is one module of this package that
-implements the protocol below; adding a kind is one new module and one line in KINDS.
+implements the protocol below; adding a kind is one new module and one line in KINDS. A model
+drafter is one package (mtp/, dflash/, dspark/) that is its kind: model.py (the model and its
+checkpoint format), kind.py (the protocol, re-exported by its __init__) and train.py (its trainer);
+training.py holds what their trainers share, hidden_state.py what their graphs and runtime share.
 
 Constants:
     NAME                the CLI name
@@ -13,6 +16,8 @@ Constants:
     NGRAM_BRANCH        whether --ngram-branch applies (specc/hybrid.py): it fills a static tree with
                         deterministic drafts from its graphs, which the host may overwrite
     OPTIONS             the CompileConfig fields of drafter options it takes (drafter_path, ...)
+    TRAINER             the class that trains it (`specc train --drafter NAME`; None for kinds that are not
+                        trained); see "A trainer" below
 
 Functions (cfg: CompileConfig; target_hf: the Hugging Face target; weights: whatever `load` returns):
     check(cfg)                                     refusals that need no model (before any slow work)
@@ -37,6 +42,16 @@ the generation's uniforms, signature.uniform_columns; None when greedy), propose
 host) and accepted(committed, n_accepted); with ADAPTIVE, also confidences() -> (class, or a list
 of a class per drafted node; [a number in [0, 1] per drafted node]) for the last proposal (the
 adaptive engine calibrates them into acceptance rates per class).
+
+A trainer (specc/train.py's loop; cfg: specc.train.TrainConfig; rec: one training record, a dict of
+tensors, specc.features) is built as TRAINER(target, cfg, mask_token_id, recs) (recs: a few training
+records, e.g. for input scales) and has the class attributes BLOCK_SIZE (the default --block-size),
+MIN_BLOCK (the least one), READS_TAPS and READS_HIDDEN (the target features its records need: taps,
+the post-norm hidden), PACKS (whether a record may pack several sequences, --pack-tokens), and the
+methods loss(rec, gen) -> scalar tensor or None (nothing to score; gen: the step's CPU generator),
+accepted(rec, block=None) -> bool [anchors, drafts] (held-out greedy matches, blocks of `block`
+rows), shorter_blocks() -> [block lengths] (also evaluated: tau_block{b}), parameters(),
+named_parameters(), save(folder) (the published format) and load(folder).
 """
 from __future__ import annotations
 

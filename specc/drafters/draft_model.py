@@ -19,6 +19,7 @@ DEFAULT_TREE = "chain:4"
 DRAFTS = True
 FILLS_TREES = MEASURED_TREES = SAMPLED_CHILDREN = ADAPTIVE = NGRAM_BRANCH = False
 OPTIONS = frozenset({"drafter_path", "drafter_layers"})
+TRAINER = None  # an existing model (or the target's first layers), not trained by specc
 
 
 def check(cfg) -> None:

@@ -22,6 +22,7 @@ ADAPTIVE = True  # its proposals come with confidences (match statistics): --ada
 SAMPLED_CHILDREN = False
 NGRAM_BRANCH = False  # it is prompt lookup already
 OPTIONS = frozenset({"ngram_corpus"})
+TRAINER = None  # prompt lookup: nothing to train
 # min_ngram 3 measured best of 1..3 on MT-Bench and HumanEval (BENCHMARKS.md).
 MAX_NGRAM, MIN_NGRAM = 4, 3
 # With a corpus table, a lookup match of 2 tokens beats the table and the table beats a shorter one

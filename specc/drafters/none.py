@@ -5,6 +5,7 @@ NAME = "none"
 DEFAULT_TREE = "chain:0"
 DRAFTS = FILLS_TREES = MEASURED_TREES = SAMPLED_CHILDREN = ADAPTIVE = NGRAM_BRANCH = False
 OPTIONS: frozenset[str] = frozenset()
+TRAINER = None  # nothing to train
 
 
 def check(cfg) -> None:

@@ -1,13 +1,14 @@
 """Drafter kind `mtp`: MTP heads (DeepSeek-V3 or Qwen3-Next layout, one module reused at every
-depth) conditioned on the target's hidden after the final norm (specc/mtp.py: model and formats)."""
+depth) conditioned on the target's hidden after the final norm (model.py: model and formats;
+train.py: its trainer)."""
 from __future__ import annotations
 
-from ..draft_tokens import draft_slots
-from ..errors import SpeccError
-from ..mtp import MTPStep, check_engine_heads, load_mtp, save_deepseek_v3
-from ..target_module import TargetModule
-from ..tree import Tree
-from . import hidden_state
+from ...draft_tokens import draft_slots
+from ...errors import SpeccError
+from ...target_module import TargetModule
+from ...tree import Tree
+from .. import hidden_state
+from .model import MTPStep, check_engine_heads, load_mtp, save_deepseek_v3
 
 NAME = "mtp"
 DEFAULT_TREE = "chain:1"  # the fastest measured with the shipped SmolLM2 heads (BENCHMARKS.md, 2026-11-30)

@@ -1,6 +1,6 @@
 """DSpark: DFlash's block drafter, made semi-autoregressive, with a confidence head (arXiv 2607.05147).
 
-The backbone is DFlash's (specc/dflash.py): a few decoder layers over the context features of the
+The backbone is DFlash's (specc/drafters/dflash/model.py): a few decoder layers over the context features of the
 committed tokens and a block [anchor, MASK x (B-1)] at positions start..start+B-1. Two changes:
 
 - Every block row drafts, the anchor's included: row k predicts the token at start + k + 1, so a
@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .dflash import DFlashConfig, DFlashDrafter, DFlashStep, load_strictly, read_checkpoint
-from .errors import SpeccError
-from .signature import DraftSignature
-from .tree import Tree
+from ...errors import SpeccError
+from ...signature import DraftSignature
+from ...tree import Tree
+from ..dflash.model import DFlashConfig, DFlashDrafter, DFlashStep, load_strictly, read_checkpoint
 
 ARCHITECTURE = "DSparkDraftModel"
 MARKOV_RANK = 256  # the published r

@@ -1,15 +1,16 @@
 """Drafter kind `dspark`: DFlash's backbone with every block row drafting, a Markov head that ranks
-each node's children under its own token and a confidence head (specc/dspark.py). A tree of depth
-D runs on the shortest block length the drafter was trained on that has D rows, unless
-`--block-size` says; a measured tree runs at the length its comb was measured at. Top-k trees only."""
+each node's children under its own token and a confidence head (model.py; train.py: its trainer).
+A tree of depth D runs on the shortest block length the drafter was trained on that has D rows,
+unless `--block-size` says; a measured tree runs at the length its comb was measured at. Top-k
+trees only."""
 from __future__ import annotations
 
-from ..dflash import check_fits, run_block
-from ..dspark import DSparkStep, load_dspark, save_dspark
-from ..errors import SpeccError
-from ..target_module import TargetModule
-from ..tree import Tree
-from . import hidden_state
+from ...errors import SpeccError
+from ...target_module import TargetModule
+from ...tree import Tree
+from .. import hidden_state
+from ..dflash.model import check_fits, run_block
+from .model import DSparkStep, load_dspark, save_dspark
 
 NAME = "dspark"
 # Measured on the shipped SmolLM2 drafter (BENCHMARKS.md, 2026-12-02): sequoia:8 reached tau 1.61 / 1.50

@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .draft_tokens import draft_slots, sampled_drafts, tree_drafts
-from .errors import SpeccError
-from .signature import DraftSignature, SampledChildren, parse_sampling
-from .target_module import additive_mask
-from .tree import Tree, chain
+from ...draft_tokens import draft_slots, sampled_drafts, tree_drafts
+from ...errors import SpeccError
+from ...signature import DraftSignature, SampledChildren, parse_sampling
+from ...target_module import additive_mask
+from ...tree import Tree, chain
 
 ARCHITECTURE = "DFlashDraftModel"
 

@@ -1,16 +1,16 @@
 """Drafter kind `dflash`: a block-diffusion drafter over the target's hidden states of a few
-layers (specc/dflash.py: model and published format). A tree of depth D runs on the shortest block
-length the drafter was trained on that has D + 1 rows (drafting cost grows with the block; the
-rows' outputs depend on its length) unless `--block-size` says; a measured tree runs at the length
-its comb was measured at."""
+layers (model.py: model and published format; train.py: its trainer). A tree of depth D runs on
+the shortest block length the drafter was trained on that has D + 1 rows (drafting cost grows with
+the block; the rows' outputs depend on its length) unless `--block-size` says; a measured tree runs
+at the length its comb was measured at."""
 from __future__ import annotations
 
-from ..dflash import DFlashStep, check_fits, load_dflash, run_block, save_dflash
-from ..draft_tokens import draft_slots
-from ..errors import SpeccError
-from ..target_module import TargetModule
-from ..tree import Tree
-from . import hidden_state
+from ...draft_tokens import draft_slots
+from ...errors import SpeccError
+from ...target_module import TargetModule
+from ...tree import Tree
+from .. import hidden_state
+from .model import DFlashStep, check_fits, load_dflash, run_block, save_dflash
 
 NAME = "dflash"
 DEFAULT_TREE = "chain:3"  # block 4: the fastest measured with the shipped SmolLM2 drafter (BENCHMARKS.md)

@@ -54,12 +54,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .acceptance import inverse_cdf_rows, sampling_probs
-from .draft_tokens import draft_slots, sampled_drafts, tree_drafts
-from .signature import DraftSignature, SampledChildren, parse_sampling
-from .target_module import Block, additive_mask
-from .errors import SpeccError
-from .tree import Tree, chain
+from ...acceptance import inverse_cdf_rows, sampling_probs
+from ...draft_tokens import draft_slots, sampled_drafts, tree_drafts
+from ...signature import DraftSignature, SampledChildren, parse_sampling
+from ...target_module import Block, additive_mask
+from ...errors import SpeccError
+from ...tree import Tree, chain
 
 ORDERS = ("emb_hidden", "hidden_emb")
 FEEDBACKS = ("block", "normed")
