@@ -99,7 +99,7 @@ def main() -> int:
             engines[label(a.drafter, tree, variant, a.quant)] = eng
     plain_engine = next(iter(engines.values()))
     methods = ["plain"] + list(engines)
-    model = plain_engine.manifest["target"]["name"]
+    model = plain_engine.manifest.target.name
 
     figures, lines = [], []
     for ds in a.datasets.split(","):

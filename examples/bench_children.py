@@ -57,7 +57,7 @@ def main() -> int:
                         tokens += r.stats.new_tokens - 1  # the first token comes from prefill
                         steps += r.stats.steps
                 tau[name, children] = tokens / steps
-                figures.append(benchfile.figure(label, name, model=engine.manifest["target"]["name"],
+                figures.append(benchfile.figure(label, name, model=engine.manifest.target.name,
                                                 tau=tau[name, children], new_tokens=a.max_new_tokens,
                                                 prompts=len(prompts), note=f"{a.seeds} seeds per prompt, tau pooled"))
                 print(f"{kind} {tree} {children} {name}: tau {tau[name, children]:.3f}", file=sys.stderr, flush=True)

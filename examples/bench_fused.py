@@ -117,7 +117,7 @@ def main() -> int:
         print(lines[-1], file=sys.stderr, flush=True)
         # The fused step is what an engine runs by default, so its figures are the configuration's.
         figures.append(benchfile.figure(engine_label(engine.manifest), a.dataset,
-                                        model=engine.manifest["target"]["name"], tau=med(tau), tokens_per_s=med(tps),
+                                        model=engine.manifest.target.name, tau=med(tau), tokens_per_s=med(tps),
                                         vs_plain=med(tps) / med(plain_tps),
                                         new_tokens=a.max_new_tokens, prompts=len(ids),
                                         note=f"median of {len(tps)} runs, fused step"))

@@ -45,7 +45,7 @@ def main() -> int:
     mode = "greedy"
     graphs = graphs_for_mode(engine.graphs, mode)
     chunk_graphs = {c: graphs[prefill_name(c, engine.chunk)] for c in engine.chunks}
-    cache_len = engine.manifest["cache_len"]
+    cache_len = engine.manifest.cache_len
     ways = {"several sizes": (chunk_graphs, engine.prefill_ms),
             f"{engine.chunk} alone": ({engine.chunk: chunk_graphs[engine.chunk]}, estimated_costs([engine.chunk]))}
     lines, rows = [], []
@@ -80,7 +80,7 @@ def main() -> int:
         rows.append({"dataset": dataset, "prompts": len(prompts), "ms": {w: round(v, 2) for w, v in med.items()},
                      "calls": calls, "speedup": round(med[old] / med[new], 4)})
     costs = ", ".join(f"{k} {'token' if k == 1 else 'tokens'} {v:.1f} ms" for k, v in sorted(engine.prefill_ms.items()))
-    setup = (f"Engine {a.engine} ({engine.manifest['target']['name']}, {engine.manifest['backend']}); its costs a call "
+    setup = (f"Engine {a.engine} ({engine.manifest.target.name}, {engine.manifest.backend}); its costs a call "
              f"as timed at compile: {costs}. Chat template on; {a.rounds} rounds after a warm-up round, the two ways "
              f"back to back per prompt, order alternating; figure = median over prompts of each prompt's median; "
              f"the first token is the same both ways on every prompt.")

@@ -59,9 +59,9 @@ def main() -> int:
     quants = args.quants.split(",")
     engines = {q: specc.load(engine_dir(Path(args.engines), q, args.backend, not args.json)) for q in quants}
     gb_s = read_gb_s()
-    nbytes = {q: e.manifest["quant"]["bytes_per_token"]["target"] for q, e in engines.items()}
+    nbytes = {q: e.manifest.quant.bytes_per_token["target"] for q, e in engines.items()}
     figures, lines = [], []
-    model = engines[quants[0]].manifest["target"]["name"]
+    model = engines[quants[0]].manifest.target.name
     for dataset in args.datasets.split(","):
         ids = [engines[quants[0]].encode(p, chat=True) for p in load_prompts(dataset, args.limit)]
         arms = {q: (lambda job, q=q: engines[q].generate(job[0], max_new_tokens=job[1], stop_at_eos=False))

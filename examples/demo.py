@@ -110,8 +110,8 @@ def main() -> int:
     spec, plain = res["speculative"][0][0], res["plain"][0][0]
     print(spec.text)
     print()
-    print(f"drafter {a.drafter} ({engine.manifest['tree']['spec']}{', adaptive' if adaptive else ''}), "
-          f"backend {engine.manifest['backend']}")
+    print(f"drafter {a.drafter} ({engine.manifest.tree['spec']}{', adaptive' if adaptive else ''}), "
+          f"backend {engine.manifest.backend}")
     print(f"tau          {spec.stats.tau:.2f} tokens per verify step")
     print(f"speculative  {spec.stats.tokens_per_s:.1f} tokens/s ({spec.stats.new_tokens} tokens)")
     print(f"plain        {plain.stats.tokens_per_s:.1f} tokens/s")

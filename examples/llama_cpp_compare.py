@@ -84,7 +84,7 @@ def main() -> int:
                       modes="greedy", output_dir=out, progress=not args.json)
     engine = specc.load(out)
     figures, lines = [], []
-    model = engine.manifest["target"]["name"]
+    model = engine.manifest.target.name
     for dataset in args.datasets.split(","):
         texts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                       add_generation_prompt=True)

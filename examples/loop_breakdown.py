@@ -161,8 +161,8 @@ def main() -> int:
         prompts = [engine.encode(t, chat=True) for t in texts]
         out = measure(engine, logs, prompts, a.max_new_tokens, a.rounds)
         results.append(report(dataset, out, len(prompts), lines))
-    setup = (f"Engine {a.engine} ({engine.manifest['target']['name']}, {engine.manifest['backend']}, "
-             f"{engine.manifest['dtype']}); greedy, {a.max_new_tokens} new tokens per prompt, first {a.limit} "
+    setup = (f"Engine {a.engine} ({engine.manifest.target.name}, {engine.manifest.backend}, "
+             f"{engine.manifest.dtype}); greedy, {a.max_new_tokens} new tokens per prompt, first {a.limit} "
              f"prompts of each set, chat template on, EOS ignored; each prompt plain and speculative back to "
              f"back, {a.rounds} rounds, the order alternating; times summed over prompts and rounds, per-call "
              f"times medians over every call.")

@@ -132,7 +132,7 @@ def main() -> int:
                 new = replay_tau(rows, lambda t, k: ngram_propose(t, k, 4, mn), k)
                 say(f"| {dataset} | chain:{k} | {mn} | {old:.3f} | {new:.3f} |")
     if sizes:
-        vocab = engine.manifest["target"]["vocab_size"]
+        vocab = engine.manifest.target.vocab_size
         tables = {}
         for n in sizes:
             arrays = corpus.build_table(corpus.sharegpt_sequences(engine.tokenizer, n), vocab)
@@ -146,8 +146,8 @@ def main() -> int:
                 taus += [replay_tau(rows, drafter_propose(k, table), k) for table, _ in tables.values()]
                 say(f"| {dataset} | chain:{k} | " + " | ".join(f"{t:.3f}" for t in taus) + " |")
     if trees:
-        drafter = engine.manifest["drafter"]
-        table = corpus.load_table(Path(a.engine) / "draft", engine.manifest["target"]["vocab_size"]) \
+        drafter = engine.manifest.drafter
+        table = corpus.load_table(Path(a.engine) / "draft", engine.manifest.target.vocab_size) \
             if drafter.get("kind") == "ngram" and "corpus" in drafter else None
         then = "then the engine's corpus table" if table is not None else "the engine has no corpus table"
         say(f"\nOne step of each tree at every position (drafts: prompt lookup, {then}); tokens committed "
@@ -163,7 +163,7 @@ def main() -> int:
     report = "\n".join(out)
     print(report)
     if a.write:
-        setup = (f"{engine.manifest['target'].get('name', 'the target')}'s greedy text of the first {a.limit} prompts "
+        setup = (f"{engine.manifest.target.name}'s greedy text of the first {a.limit} prompts "
                  f"of each set ({a.max_new_tokens} new tokens, chat template on), ngram drafts replayed on it "
                  f"without the model (engine {a.engine}). No timing.")
         run = benchfile.new_run("ngram drafts replayed on the target's text", [])

@@ -195,7 +195,7 @@ def time_family(engine, mode: str = "greedy", names: list[str] | None = None) ->
     for name in names:
         key = f"{name}_{mode}"
         # zeros for ids and lengths, ones for temperature, top-p and uniforms (no division by zero)
-        dtypes = [(s, getattr(torch, d.replace("torch.", ""))) for s, d in engine.manifest["graphs"][key]["inputs"]]
+        dtypes = engine.manifest.graphs[key].input_specs()
         args = tuple((torch.ones if dt.is_floating_point else torch.zeros)(s, dtype=dt, device=engine.device)
                      for s, dt in dtypes)
         calls.append((engine.graphs[key], args))

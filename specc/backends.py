@@ -329,10 +329,10 @@ class InductorGraph:
 
 def require_trt_clean(folder: Path, entry: dict) -> None:
     """A graph TensorRT would refuse never reaches a tensorrt engine: the lint's first error, in one sentence."""
-    from .trt_lint import engine_graph_files, lint_file
+    from .trt_lint import graph_files, lint_file
     from .trt_ops import TRT_VERSION
 
-    for f in engine_graph_files({"graphs": {"g": entry}}):
+    for f in graph_files(entry):
         errors = [x for x in lint_file(folder / f, f) if x.severity == "error"]
         if errors:
             hint = " (top-p sorts the vocabulary: leave top_p out of --modes)" if "TopK with K" in errors[0].message else ""
@@ -414,7 +414,7 @@ def _require_onnx() -> None:
     require_onnx()
 
 
-def _check_built(manifest: dict, folder: Path) -> None:
+def _check_built(manifest, folder: Path) -> None:
     from .tensorrt import check_built
 
     check_built(manifest, folder)

@@ -66,7 +66,7 @@ def run_bench(engine_dir, dataset: str = "mt-bench", limit: int | None = 10, max
         raise SpeccError(f"no prompt of {dataset} fits --max-len {engine.max_len} with {max_new_tokens} new tokens.")
     speculative = engine.drafter is not None
     methods = (["speculative"] if speculative else []) + (["ar"] if baseline in ("ar", "both") or not speculative else [])
-    hf = hf_generate_timer(engine_dir, parse_dtype(engine.manifest["dtype"]), engine.device) if baseline in ("hf", "both") else None
+    hf = hf_generate_timer(engine_dir, parse_dtype(engine.manifest.dtype), engine.device) if baseline in ("hf", "both") else None
 
     # Warm-up, excluded from every figure.
     for m in methods:
@@ -106,9 +106,9 @@ def run_bench(engine_dir, dataset: str = "mt-bench", limit: int | None = 10, max
     m = engine.manifest
     report = {
         "engine": str(engine_dir), "dataset": dataset, "prompts": len(fits), "skipped_too_long": len(all_ids) - len(fits),
-        "max_new_tokens": max_new_tokens, "chat_template": use_chat, "backend": m["backend"],
-        "drafter": m["drafter"], "tree": m["tree"]["spec"], "tree_nodes": len(m["tree"]["paths"]),
-        "config": engine_label(m), "model": m["target"]["name"], "device": str(engine.device),
+        "max_new_tokens": max_new_tokens, "chat_template": use_chat, "backend": m.backend,
+        "drafter": m.drafter, "tree": m.tree["spec"], "tree_nodes": len(m.tree["paths"]),
+        "config": engine_label(m), "model": m.target.name, "device": str(engine.device),
         "cuda_graphs": engine.cuda_graphs,
         "date": benchfile.today(), "machine": benchfile.machine_text(benchfile.machine(str(engine.device))),
         "greedy_identical_to_ar": f"{identical}/{len(fits)}" if "ar" in runs and speculative else None,
@@ -144,14 +144,14 @@ def drafter_label(report: dict) -> str:
 QUIET_BACKEND = "inductor"
 
 
-def engine_label(manifest: dict) -> str:
-    """The configuration an engine runs, as BENCHMARKS.md keys it: drafter and tree, then the backend,
-    device and children when they are not the defaults (inductor, cpu, topk)."""
-    label = drafter_label({"drafter": manifest["drafter"], "tree": manifest["tree"]["spec"],
-                           "tree_nodes": len(manifest["tree"]["paths"])})
-    extra = [manifest["backend"] if manifest["backend"] != QUIET_BACKEND else None,
-             manifest.get("device", "cpu") if manifest.get("device", "cpu") != "cpu" else None,
-             "sampled children" if manifest["drafter"].get("children") == "sampled" else None]
+def engine_label(manifest) -> str:
+    """The configuration an engine runs (its Manifest), as BENCHMARKS.md keys it: drafter and tree, then
+    the backend, device and children when they are not the defaults (inductor, cpu, topk)."""
+    label = drafter_label({"drafter": manifest.drafter, "tree": manifest.tree["spec"],
+                           "tree_nodes": len(manifest.tree["paths"])})
+    extra = [manifest.backend if manifest.backend != QUIET_BACKEND else None,
+             manifest.device if manifest.device != "cpu" else None,
+             "sampled children" if manifest.drafter.get("children") == "sampled" else None]
     return ", ".join([label] + [e for e in extra if e])
 
 

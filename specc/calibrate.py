@@ -101,7 +101,7 @@ def measure(build, spec: str, drafter: str, depth_limit: int, work: Path, progre
         print(f"calibrating {spec}: {drafter} drafts on a {tree.size}-node comb tree (depth {depth}, "
               f"{WIDTH} ranks per depth), {PROMPTS} ShareGPT prompts x {NEW_TOKENS} tokens, eager backend")
     engine = build(_tree_file(tree, work, "comb"), "eager", work / "calibration")
-    m = run_prompts(engine, calibration_inputs(engine.tokenizer, engine.manifest["target"]["vocab_size"]))
+    m = run_prompts(engine, calibration_inputs(engine.tokenizer, engine.manifest.target.vocab_size))
     acceptance = measure_acceptance(m.records, tree)
     info = {"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "comb_depth": depth, "width": WIDTH,
             "steps": m.steps, "tau": round(m.tau, 4)}
@@ -142,7 +142,7 @@ def _auto(acceptance, depth: int, build, work: Path, report: dict, progress: boo
         out = work / f"candidate-{tree.size}"
         engine = build(_tree_file(tree, work, f"candidate-{tree.size}"), None, out)
         if prompts is None:
-            prompts = calibration_inputs(engine.tokenizer, engine.manifest["target"]["vocab_size"])
+            prompts = calibration_inputs(engine.tokenizer, engine.manifest.target.vocab_size)
         runs = [(spec, tree.size, True)] + ([(PLAIN, 1, False)] if PLAIN not in measured else [])
         for name, size, speculate in runs:  # plain decoding is a candidate too, timed on the first engine
             t0 = time.perf_counter()

@@ -29,6 +29,7 @@ NO_CUDA_GRAPHS_HELP = ("on CUDA, launch each decode call's kernels one by one in
 def cmd_compile(a) -> int:
     import specc
     from specc.config import CompileConfig
+    from specc.manifest import read
 
     config = CompileConfig(model=a.model, drafter=a.drafter, tree=a.tree, backend=a.backend, output_dir=a.output,
                            drafter_path=a.drafter_path, drafter_layers=a.drafter_layers, dtype=a.dtype,
@@ -37,23 +38,21 @@ def cmd_compile(a) -> int:
                            adaptive=a.adaptive, ngram_branch=a.ngram_branch, ngram_corpus=a.ngram_corpus,
                            quant=a.quant, **({"modes": a.modes} if a.modes else {}))
     out = specc.compile(config=config)
-    manifest = json.loads((out / "specc.json").read_text())
+    m = read(out)
     if a.json:
-        print(json.dumps({"engine": str(out), "backend": a.backend, "drafter": manifest["drafter"],
-                          "tree": manifest["tree"]["spec"], "tree_report": {k: v for k, v in manifest["tree"].items()
-                                                                             if k not in ("parents", "depths")},
-                          "graphs": manifest["graphs"], "adaptive": manifest.get("adaptive"),
-                          "quant": manifest.get("quant")}))
+        d = m.to_json()
+        print(json.dumps({"engine": str(out), "backend": a.backend, "drafter": m.drafter, "tree": m.tree["spec"],
+                          "tree_report": {k: v for k, v in m.tree.items() if k not in ("parents", "depths")},
+                          "graphs": d["graphs"], "adaptive": m.adaptive, "quant": d["quant"]}))
     else:
-        print(f"compiled {manifest['target']['name']} with drafter {a.drafter}, tree {manifest['tree']['spec']} "
-              f"({len(manifest['tree']['paths'])} nodes), backend {a.backend} on {manifest['device']} -> {out}")
-        for line in tree_report_lines(manifest["tree"]):
+        print(f"compiled {m.target.name} with drafter {a.drafter}, tree {m.tree['spec']} "
+              f"({len(m.tree['paths'])} nodes), backend {a.backend} on {m.device} -> {out}")
+        for line in tree_report_lines(m.tree):
             print("  " + line)
-        for name, g in manifest["graphs"].items():
-            print(f"  graph {name:<14} {g['tokens']:>4} tokens/call  passes: capture -> "
-                  f"{' -> '.join(g['passes'] + g.get('lowering', []))}")
-        if "adaptive" in manifest:
-            for line in adaptive_lines(manifest["adaptive"]):
+        for name, g in m.graphs.items():
+            print(f"  graph {name:<14} {g.tokens:>4} tokens/call  passes: capture -> {' -> '.join(g.passes + g.lowering)}")
+        if m.adaptive is not None:
+            for line in adaptive_lines(m.adaptive):
                 print("  " + line)
         if a.dump_ir:
             print(f"  graph after each pass written to {a.dump_ir}")
@@ -139,7 +138,7 @@ def adaptive_lines(entry: dict) -> list[str]:
     return report_lines(entry) if "latency_ms" in entry else ["adaptive family not measured"]
 
 
-def sm90_report(m: dict, as_json: bool) -> int:
+def sm90_report(m, as_json: bool) -> int:
     """`specc inspect --sm90`: the engine's target shapes, dtype, decode-step sizes and modes -> the kernels'
     sm_90a build (kernels/hopper_build.py), as a table or JSON."""
     import torch
@@ -150,19 +149,18 @@ def sm90_report(m: dict, as_json: bool) -> int:
     why = hb.available()
     if why:
         raise SpeccError(f"cannot build the kernels for sm_90a here: {why}.")
-    shape = hb.shape_of(m["target"]["config"], m["cache_len"], m["target"]["name"])
-    sizes = sorted({g["tokens"] for name, g in m["graphs"].items()
-                    if name.startswith(("plain", "step", "fused")) and "tokens" in g}) or [1]
-    modes = set(m["modes"])
-    quant = parse_quant(m.get("quant", {}).get("target"))
+    shape = hb.shape_of(m.target.config, m.cache_len, m.target.name)
+    sizes = sorted({g.tokens for name, g in m.graphs.items() if name.startswith(("plain", "step", "fused"))}) or [1]
+    modes = set(m.modes)
+    quant = parse_quant(m.quant.target)
     gguf = quant.block_formats if quant is not None else ()  # the block products its graphs run
-    parents, depths = m["tree"]["parents"], m["tree"]["depths"]
+    parents, depths = m.tree["parents"], m.tree["depths"]
 
     def shape_at(T: int) -> tuple[int, int]:  # (depth, widest node) of the tree's first T nodes (a family member)
         kids = [sum(1 for p in parents[1:T] if p == i) for i in range(T)]
         return max(depths[:T]), max(1, max(kids))
 
-    labelled = hb.shape_launches(shape, getattr(torch, m["dtype"]), tuple(sizes), gguf=gguf, greedy="greedy" in modes,
+    labelled = hb.shape_launches(shape, getattr(torch, m.dtype), tuple(sizes), gguf=gguf, greedy="greedy" in modes,
                                  sample=bool(modes - {"greedy"}), trees={T: [shape_at(T)] for T in sizes})
     rows = hb.build(labelled)
     bad = [b for b in rows if b.problems()]
@@ -170,7 +168,7 @@ def sm90_report(m: dict, as_json: bool) -> int:
         print(json.dumps({"shape": shape.__dict__, "tree_sizes": sizes, "launches": len(labelled),
                           "rows": hb.as_dicts(rows)}))
     else:
-        print(f"sm_90a build of {m['target']['name']}'s decode-step kernels ({m['dtype']}, "
+        print(f"sm_90a build of {m.target.name}'s decode-step kernels ({m.dtype}, "
               f"{', '.join(map(str, sizes))} tokens a step; {len(labelled)} launches, {len(rows)} variants):\n")
         print(hb.table(rows))
     for b in bad:  # with --json too, on stderr: the reason is what a failing run must show first
@@ -179,68 +177,28 @@ def sm90_report(m: dict, as_json: bool) -> int:
 
 
 def cmd_inspect(a) -> int:
-    from .compiler import read_manifest
+    from .manifest import read
     from .tree import draw_tree, tree_from_paths
 
-    m = read_manifest(a.engine)
+    m = read(a.engine)
     if a.sm90:
         return sm90_report(m, a.json)
-    tree = tree_from_paths(m["tree"]["paths"])
+    tree = tree_from_paths(m.tree["paths"])
     if a.tree_png:
         draw_tree(tree, a.tree_png)
     lint = trt_lint_report(a.engine, m) if a.trt_lint else None
     if a.json:
-        print(json.dumps({k: v for k, v in m.items() if k != "files"} | {"files": sorted(m["files"])}
+        print(json.dumps({k: v for k, v in m.to_json().items() if k != "files"} | {"files": sorted(m.files)}
                          | ({"trt_lint": lint} if lint is not None else {})))
         return 1 if lint and lint["errors"] else 0
-    t = m["target"]
-    print(f"engine      {a.engine}")
-    print(f"target      {t['name']} ({t['arch']}, {t['num_layers']} layers, vocab {t['vocab_size']})")
-    print(f"drafter     {json.dumps(m['drafter'])}")
-    print(f"tree        {m['tree']['spec']}: {tree.size} nodes, depth {tree.max_depth}, max width {tree.max_width}")
-    for line in tree_report_lines(m["tree"]):
-        print("            " + line)
-    branch = m["drafter"].get("ngram_branch")
-    if branch:
-        print(f"            + prompt lookup's branch: {branch['depth']} nodes under the root at rank {branch['rank']}, "
-              f"filled per step from matches of {branch['min_ngram']}-{branch['max_ngram']} tokens")
-    corpus = m["drafter"].get("corpus")
-    if corpus:
-        print(f"            + corpus table ({corpus['source']}): contexts of 1-3 tokens "
-              f"{' / '.join(map(str, corpus['contexts']))}, drafting where lookup matches fewer than "
-              f"{corpus['min_lookup']} tokens")
-    chunks = m.get("prefill_chunks", [m["prefill_chunk"]])
-    timed = m.get("prefill_ms")
-    prefill = (f"prefill chunks {', '.join(map(str, chunks))}" if len(chunks) > 1 else f"prefill chunk {chunks[0]}") + (
-        " (ms a call: " + ", ".join(f"{k} {'token' if k == '1' else 'tokens'} {v:.1f}" for k, v in timed.items()) + ")"
-        if timed else "")
-    print(f"backend     {m['backend']} on {m.get('device', 'cpu')}, dtype {m['dtype']}, max_len {m['max_len']}, {prefill}")
-    if m.get("cpu_kernels") or m.get("quant", {}).get("cpu_kernel"):
-        print("native      the few-row products call specc's C++ CPU products (kernels/*_cpu.cpp), built for "
-              "the loading machine on first use")
-    for setting, r in m.get("products", {}).items():
-        rows = "one row" if setting == "one_row" else "5+ rows" if "from_rows" not in r else ", ".join(
-            f"{n}+ rows of {k} inputs" for k, n in r["from_rows"].items())  # engines before the widths: 5+
-        print(f"products    float32 at {rows}: {r['product']}, timed at compile ({r['graph']} "
-              + ", ".join(f"{k} {v:.1f} ms" for k, v in r["ms"].items()) + ")")
-    print(f"modes       {', '.join(m['modes'])} (one graph per mode for each graph that samples)")
-    if "quant" in m:
-        q, b = m["quant"], m["quant"]["bytes_per_token"]
-        print(f"weights     target {q['target']}: {b['target'] / 1e6:.1f} MB read per token; drafter {q['drafter']}: "
-              f"{b['drafter'] / 1e6:.1f} MB of its own per call")
-    if "adaptive" in m:
-        print("adaptive    per step, the step graph with the most expected tokens per second:")
-        for line in adaptive_lines(m["adaptive"]):
-            print("            " + line)
-    print(f"versions    specc {m['specc_version']}, torch {m['torch_version']}, transformers {m['transformers_version']}")
-    print(f"files       {len(m['files'])} (sha256 recorded)")
+    print_engine(a.engine, m, tree)
     if a.passes:
-        for name, g in m["graphs"].items():
-            print(f"graph {name} ({g['tokens']} tokens/call):")
-            for i, p in enumerate(["capture"] + g["passes"]):
+        for name, g in m.graphs.items():
+            print(f"graph {name} ({g.tokens} tokens/call):")
+            for i, p in enumerate(["capture"] + g.passes):
                 print(f"  {i}. {p}")
-            for p in g.get("lowering", []):
-                print(f"  +  {p} (before {m['backend']} compiles it, for {m.get('device', 'cpu')})")
+            for p in g.lowering:
+                print(f"  +  {p} (before {m.backend} compiles it, for {m.device})")
     if a.tree_png:
         print(f"tree drawn to {a.tree_png}")
     if lint is not None:
@@ -252,13 +210,57 @@ def cmd_inspect(a) -> int:
     return 0
 
 
-def trt_lint_report(engine: str, m: dict) -> dict:
+def print_engine(engine: str, m, tree) -> None:
+    """`specc inspect`'s summary of an engine (its Manifest)."""
+    t = m.target
+    print(f"engine      {engine}")
+    print(f"target      {t.name} ({t.arch}, {t.num_layers} layers, vocab {t.vocab_size})")
+    print(f"drafter     {json.dumps(m.drafter)}")
+    print(f"tree        {m.tree['spec']}: {tree.size} nodes, depth {tree.max_depth}, max width {tree.max_width}")
+    for line in tree_report_lines(m.tree):
+        print("            " + line)
+    branch = m.drafter.get("ngram_branch")
+    if branch:
+        print(f"            + prompt lookup's branch: {branch['depth']} nodes under the root at rank {branch['rank']}, "
+              f"filled per step from matches of {branch['min_ngram']}-{branch['max_ngram']} tokens")
+    corpus = m.drafter.get("corpus")
+    if corpus:
+        print(f"            + corpus table ({corpus['source']}): contexts of 1-3 tokens "
+              f"{' / '.join(map(str, corpus['contexts']))}, drafting where lookup matches fewer than "
+              f"{corpus['min_lookup']} tokens")
+    chunks, timed = m.prefill_chunks, m.prefill_ms
+    prefill = (f"prefill chunks {', '.join(map(str, chunks))}" if len(chunks) > 1 else f"prefill chunk {chunks[0]}") + (
+        " (ms a call: " + ", ".join(f"{k} {'token' if k == '1' else 'tokens'} {v:.1f}" for k, v in timed.items()) + ")"
+        if timed else "")
+    print(f"backend     {m.backend} on {m.device}, dtype {m.dtype}, max_len {m.max_len}, {prefill}")
+    if m.cpu_kernels:
+        print("native      the few-row products call specc's C++ CPU products (kernels/*_cpu.cpp), built for "
+              "the loading machine on first use")
+    for setting, r in (m.products or {}).items():
+        rows = "one row" if setting == "one_row" else "5+ rows" if "from_rows" not in r else ", ".join(
+            f"{n}+ rows of {k} inputs" for k, n in r["from_rows"].items())  # engines before the widths: 5+
+        print(f"products    float32 at {rows}: {r['product']}, timed at compile ({r['graph']} "
+              + ", ".join(f"{k} {v:.1f} ms" for k, v in r["ms"].items()) + ")")
+    print(f"modes       {', '.join(m.modes)} (one graph per mode for each graph that samples)")
+    q, b = m.quant, m.quant.bytes_per_token
+    if b:
+        print(f"weights     target {q.target}: {b['target'] / 1e6:.1f} MB read per token; drafter {q.drafter}: "
+              f"{b['drafter'] / 1e6:.1f} MB of its own per call")
+    if m.adaptive is not None:
+        print("adaptive    per step, the step graph with the most expected tokens per second:")
+        for line in adaptive_lines(m.adaptive):
+            print("            " + line)
+    print(f"versions    specc {m.specc_version}, torch {m.torch_version}, transformers {m.transformers_version}")
+    print(f"files       {len(m.files)} (sha256 recorded)")
+
+
+def trt_lint_report(engine: str, m) -> dict:
     from .backends import get_backend
     from .trt_lint import engine_graph_files, findings_json, lint_engine
     from .trt_ops import SOURCE, TRT_VERSION
 
-    if not get_backend(m["backend"]).onnx_files:
-        raise SpeccError(f"--trt-lint reads an engine's ONNX graphs, and this is a {m['backend']} engine; compile it "
+    if not get_backend(m.backend).onnx_files:
+        raise SpeccError(f"--trt-lint reads an engine's ONNX graphs, and this is a {m.backend} engine; compile it "
                          f"with --backend onnx or tensorrt.")
     findings = lint_engine(Path(engine), m)
     return {"tensorrt": TRT_VERSION, "source": SOURCE, "graphs": len(engine_graph_files(m)),
@@ -267,10 +269,11 @@ def trt_lint_report(engine: str, m: dict) -> dict:
 
 
 def cmd_build(a) -> int:
-    from .compiler import build, read_manifest
+    from .compiler import build
+    from .manifest import read
 
     out = build(a.engine, progress=not a.json)
-    info = read_manifest(out)["tensorrt"]
+    info = read(out).tensorrt
     if a.json:
         print(json.dumps({"engine": str(out), **info}))
     else:

@@ -10,7 +10,6 @@ The drafter is a kind (specc/drafters/): everything drafter-specific is asked of
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import platform
 import shutil
@@ -28,10 +27,11 @@ from specc.kernels.rows_linear import kernel_choice
 
 from . import __version__, adaptive, calibrate, products
 from .backends import check_device, get_backend, lower_graph, move_states, open_graph
-from .config import MANIFEST, CompileConfig
+from .config import CompileConfig
 from .drafters import get_kind
 from .errors import SpeccError
 from .hybrid import branch_entry, with_ngram_branch
+from .manifest import Graph, Manifest, Quant, Target, read, write
 from .models import default_gguf, load_model, parse_dtype, sha256_file
 from .pipeline import example_inputs
 from .plans import build_program, graph_plans
@@ -41,10 +41,6 @@ from .prefill import prefill_name
 from .signature import SampledChildren, graph_name
 from .target_module import TargetModule, module_state, sliding_window_limit
 from .tree import Tree, tree_from_paths
-
-FORMAT_VERSION = 4  # 2: one DraftSignature for DFlash and MTP graphs, drafter graphs named draft_*;
-                    # 3: eager graphs saved (program JSON + safetensors), not captured again on load;
-                    # 4: one graph per sampling mode (plain_greedy, step_top_p, ...), no torch.cond
 
 
 @dataclass
@@ -125,10 +121,10 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
                 ep = built[plan.name] = build_program(plan, modules.by_name(), built, tree,
                                                       Path(cfg.dump_ir) if cfg.dump_ir else None)
                 args = example_inputs(ep)
-                graphs[plan.name] = {
+                graphs[plan.name] = Graph.from_json({
                     "module": plan.module, "tokens": plan.T, "inputs": [[list(a.shape), str(a.dtype)] for a in args],
                     "mode": plan.mode, "passes": plan.passes,
-                    **lower_graph(cfg.backend, ep, states[plan.module], stage, plan.name, args, build_device)}
+                    **lower_graph(cfg.backend, ep, states[plan.module], stage, plan.name, args, build_device)})
                 seconds[plan.name] = round(time.perf_counter() - t0, 2)
                 if cfg.on_graph is not None:
                     cfg.on_graph(plan.name, seconds[plan.name])
@@ -141,11 +137,9 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
             target.tokenizer.save_pretrained(stage / "target")
         kind.save(weights, stage / "draft", target.model)
         trt = tensorrt_engines(stage, out, graphs, cfg.progress) if get_backend(cfg.backend).built_later else None
-        write_manifest(stage, cfg, target, modules, entry, tree, report, graphs, cache_len, trt, timed, seconds)
-        if len(cfg.prefill_chunks) > 1 and not get_backend(cfg.backend).built_later:  # built where they run
-            measure_prefill(stage, cfg.progress)
-        if cfg.adaptive:
-            measure_family(stage, cfg.progress)
+        manifest = make_manifest(stage, cfg, target, modules, entry, tree, report, graphs, cache_len, trt, timed,
+                                 seconds)
+        write(stage, measure_engine(stage, manifest, cfg))  # the one write, once the engine is measured
     return out
 
 
@@ -154,42 +148,48 @@ def gguf_path(target) -> Path:
     return default_gguf() if target.source == "default" else Path(target.source)
 
 
-def measure_prefill(stage: Path, progress: bool) -> None:
-    """The milliseconds of each prefill call size on this machine (1: the one-token graph), into the
+def measure_engine(stage: Path, manifest: Manifest, cfg: CompileConfig) -> Manifest:
+    """The post-build stage: what can only be measured on the built engine (opened from `manifest`,
+    not from disk), merged into the manifest that is then written once. Each prefill call size's
+    milliseconds (several chunks, where the graphs were built where they run); an adaptive engine's
+    family timed and its drafter's confidences calibrated (on an engine with those prefill times)."""
+    if len(cfg.prefill_chunks) > 1 and not get_backend(cfg.backend).built_later:
+        manifest = replace(manifest, prefill_ms=measure_prefill(open_engine(stage, manifest), cfg.progress))
+    if cfg.adaptive:
+        manifest = replace(manifest, adaptive=measure_family(open_engine(stage, manifest), cfg.progress))
+    return manifest
+
+
+def measure_prefill(engine: Engine, progress: bool) -> dict:
+    """The milliseconds of each prefill call size on this machine (1: the one-token graph), for the
     manifest's `prefill_ms`: what the runtime's prefill plan weighs (specc/prefill.py)."""
-    engine = load(stage, check_hashes=False)
-    m = engine.manifest
     mode = "greedy" if "greedy" in engine.modes else engine.modes[0]
     calls = []
     for size in [1] + list(engine.chunks):
         key = graph_name("plain" if size == 1 else prefill_name(size, engine.chunk), mode)
         # a whole chunk at the cache's start (its inputs: tokens, start, valid tokens, then sampling's)
-        args = [torch.zeros(s, dtype=getattr(torch, d.replace("torch.", "")), device=engine.device)
-                for s, d in m["graphs"][key]["inputs"]]
+        args = [torch.zeros(s, dtype=d, device=engine.device) for s, d in engine.manifest.graphs[key].input_specs()]
         if size > 1:
             args[2] = torch.tensor(size, device=engine.device)
         calls.append((engine.graphs[key], [a if a.dtype != torch.float32 else a + 1 for a in args]))
     ms = adaptive.time_calls([(fn, tuple(args)) for fn, args in calls], engine.device)
-    m["prefill_ms"] = {str(size): t for size, t in zip([1] + list(engine.chunks), ms)}
+    timed = {str(size): t for size, t in zip([1] + list(engine.chunks), ms)}
     if progress:
         print("prefill: " + ", ".join(f"{k} {'token' if k == '1' else 'tokens'} {v:.1f} ms"
-                                      for k, v in m["prefill_ms"].items()) + " a call")
-    (stage / MANIFEST).write_text(json.dumps(m, indent=1, default=str))
+                                      for k, v in timed.items()) + " a call")
+    return timed
 
 
-def measure_family(stage: Path, progress: bool) -> None:
+def measure_family(engine: Engine, progress: bool) -> dict:
     """An adaptive engine's family timed and its drafter's confidences calibrated on the built
-    engine (specc/adaptive.py), into its manifest."""
-    engine = load(stage, check_hashes=False)
+    engine (specc/adaptive.py), for its manifest's `adaptive`."""
     m = engine.manifest
     chat = engine.tokenizer is not None and bool(getattr(engine.tokenizer, "chat_template", None))
-    texts = [engine.encode(p, chat) for p in calibrate.calibration_inputs(engine.tokenizer, m["target"]["vocab_size"],
+    texts = [engine.encode(p, chat) for p in calibrate.calibration_inputs(engine.tokenizer, m.target.vocab_size,
                                                                           adaptive.CALIBRATION_PROMPTS)]
-    kind = get_kind(m["drafter"]["kind"])
+    kind = get_kind(m.drafter["kind"])
     # The engine's own drafter: calibration runs the target plainly (ngram) or runs the engine itself.
-    m["adaptive"] = adaptive.measure(engine, engine.drafter, kind.confidence_classes(m["drafter"], engine.tree),
-                                     texts, progress)
-    (stage / MANIFEST).write_text(json.dumps(m, indent=1, default=str))
+    return adaptive.measure(engine, engine.drafter, kind.confidence_classes(m.drafter, engine.tree), texts, progress)
 
 
 def tensorrt_engines(stage: Path, out: Path, graphs: dict, progress: bool) -> dict:
@@ -203,7 +203,7 @@ def tensorrt_engines(stage: Path, out: Path, graphs: dict, progress: bool) -> di
         print(f"specc: wrote the ONNX graphs but not the TensorRT engines ({reason}): run `specc build {out}` on the "
               f"GPU machine that will run this engine.", file=sys.stderr)
         return unbuilt()
-    return build_engines(stage, {"graphs": graphs}, progress)
+    return build_engines(stage, {name: g.lowered for name, g in graphs.items()}, progress)
 
 
 def build(path, progress: bool = True) -> Path:
@@ -212,26 +212,24 @@ def build(path, progress: bool = True) -> Path:
     from .tensorrt import build_engines, plan_files
 
     path = Path(path)
-    manifest = read_manifest(path)
-    if not get_backend(manifest["backend"]).built_later:
-        raise SpeccError(f"{str(path)!r} is a {manifest['backend']} engine; `specc build` builds the TensorRT engines "
+    manifest = read(path)
+    if not get_backend(manifest.backend).built_later:
+        raise SpeccError(f"{str(path)!r} is a {manifest.backend} engine; `specc build` builds the TensorRT engines "
                          f"of one compiled with --backend tensorrt.")
-    verify_files(path, {**manifest, "files": {k: v for k, v in manifest["files"].items() if not k.endswith(".plan")}})
-    plans = [path / p for g in manifest["graphs"].values() for _, p in plan_files(g)]
+    verify_files(path, {k: v for k, v in manifest.files.items() if not k.endswith(".plan")})
+    lowered = {name: g.lowered for name, g in manifest.graphs.items()}
+    plans = [path / p for g in lowered.values() for _, p in plan_files(g)]
     try:
-        info = build_engines(path, manifest, progress)
+        info = build_engines(path, lowered, progress)
     except BaseException:
         for p in plans:
-            if p.name not in manifest["files"]:
+            if p.name not in manifest.files:
                 p.unlink(missing_ok=True)
         raise
-    files = dict(manifest["files"])
+    files = dict(manifest.files)
     for p in plans:
         files[str(p.relative_to(path))] = sha256_file(p)
-    manifest.update(tensorrt=info, files=files)
-    tmp = path / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1, default=str))
-    tmp.replace(path / MANIFEST)
+    write(path, replace(manifest, tensorrt=info, files=files))
     return path
 
 
@@ -261,13 +259,11 @@ def measure_tree(cfg: CompileConfig, depth_limit: int):
         calibrate.cleanup(work)
 
 
-def write_manifest(stage: Path, cfg: CompileConfig, target, modules: EngineModules, entry: dict, tree: Tree,
-                   report: dict | None, graphs: dict, cache_len: int, trt: dict | None = None,
-                   timed_products: dict | None = None, compile_s: dict | None = None) -> None:
-    """specc.json: versions, what was compiled, and the sha256 of every file (never a pickle)."""
+def make_manifest(stage: Path, cfg: CompileConfig, target, modules: EngineModules, entry: dict, tree: Tree,
+                  report: dict | None, graphs: dict, cache_len: int, trt: dict | None = None,
+                  timed_products: dict | None = None, compile_s: dict | None = None) -> Manifest:
+    """specc.json's contents: versions, what was compiled, and the sha256 of every file (never a pickle)."""
     import transformers
-
-    target_module = modules.target
 
     for p in stage.rglob("*"):
         if p.suffix in (".bin", ".pkl", ".pickle", ".pt"):
@@ -279,33 +275,21 @@ def write_manifest(stage: Path, cfg: CompileConfig, target, modules: EngineModul
         triton_version = None
     files = {str(p.relative_to(stage)): sha256_file(p) for p in sorted(stage.rglob("*")) if p.is_file()}
     hf_cfg = target.model.config
-    manifest = {
-        "format_version": FORMAT_VERSION, "specc_version": __version__, "torch_version": torch.__version__,
-        "triton_version": triton_version, "transformers_version": transformers.__version__,
-        "platform": platform.machine(),
-        "target": {"name": target.name, "source": target.source, "arch": target_module.arch,
-                   "num_layers": hf_cfg.num_hidden_layers, "vocab_size": target_module.vocab_size,
-                   "eos_token_ids": eos_ids(target.model), "config": hf_cfg.to_dict(),
-                   "weights_sha256": files.get("target/model.safetensors")},
-        "drafter": entry, "tree": {"spec": cfg.tree_spec, **tree.to_manifest(), **(report or {})},
-        "backend": cfg.backend, "device": cfg.device, "dtype": str(cfg.torch_dtype).replace("torch.", ""),
-        "modes": list(cfg.modes), "max_len": cfg.max_len, "prefill_chunk": cfg.prefill_chunks[-1],
-        "prefill_chunks": list(cfg.prefill_chunks), "cache_len": cache_len,
-        "graphs": graphs,
-        # seconds each graph took to build (capture, passes, lowering; a cached AOTInductor package is quick)
-        "compile_s": compile_s or {},
-        # what each decoded token reads: the target's weights (quantized or not) and the drafter's own
-        "quant": {"target": quant_spec(cfg.quant), "drafter": NONE, "bytes_per_token": {
-            "target": weight_bytes(modules.target), "drafter": weight_bytes(modules.draft, shared=modules.target)}},
-        # the graphs call the specc_cpu products (kernels/cpu_kernels.py), which load must build or find
-        "cpu_kernels": cpu_kernels_used(cfg),
-        # which product float32's few-row products take, from timing graphs both ways (products.py)
-        **({"products": timed_products} if timed_products is not None else {}),
-        **({"adaptive": {"sizes": adaptive.family_sizes(tree)}} if cfg.adaptive else {}),
-        **({"tensorrt": trt} if trt is not None else {}),
-        "files": files,
-    }
-    (stage / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+    return Manifest(
+        specc_version=__version__, torch_version=torch.__version__, triton_version=triton_version,
+        transformers_version=transformers.__version__, platform=platform.machine(),
+        target=Target(name=target.name, source=target.source, arch=modules.target.arch,
+                      num_layers=hf_cfg.num_hidden_layers, vocab_size=modules.target.vocab_size,
+                      eos_token_ids=eos_ids(target.model), config=hf_cfg.to_dict(),
+                      weights_sha256=files.get("target/model.safetensors")),
+        drafter=entry, tree={"spec": cfg.tree_spec, **tree.to_manifest(), **(report or {})},
+        backend=cfg.backend, device=cfg.device, dtype=str(cfg.torch_dtype).replace("torch.", ""),
+        modes=list(cfg.modes), max_len=cfg.max_len, prefill_chunk=cfg.prefill_chunks[-1],
+        prefill_chunks=list(cfg.prefill_chunks), cache_len=cache_len, graphs=graphs, compile_s=compile_s or {},
+        quant=Quant(target=quant_spec(cfg.quant), drafter=NONE, bytes_per_token={
+            "target": weight_bytes(modules.target), "drafter": weight_bytes(modules.draft, shared=modules.target)}),
+        cpu_kernels=cpu_kernels_used(cfg), products=timed_products,
+        adaptive={"sizes": adaptive.family_sizes(tree)} if cfg.adaptive else None, tensorrt=trt, files=files)
 
 
 def cpu_kernels_used(cfg: CompileConfig) -> bool:
@@ -342,9 +326,8 @@ def staging(out: Path):
 
 def install_picked(picked: Path, out: Path, tree_spec: str, report: dict) -> Path:
     """Move the engine `--tree auto` picked into place, its manifest naming the spec and the report."""
-    manifest = json.loads((picked / MANIFEST).read_text())
-    manifest["tree"].update({"spec": tree_spec, **report})
-    (picked / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+    manifest = read(picked)
+    write(picked, replace(manifest, tree={**manifest.tree, "spec": tree_spec, **report}))
     holder = picked.parent
     swap_into_place(picked, out)
     shutil.rmtree(holder, ignore_errors=True)
@@ -362,23 +345,8 @@ def swap_into_place(finished: Path, out: Path) -> None:
         finished.rename(out)
 
 
-def read_manifest(path) -> dict:
-    path = Path(path)
-    mf = path / MANIFEST
-    if not mf.is_file():
-        raise SpeccError(f"{str(path)!r} is not a specc engine directory (no {MANIFEST}); create one with `specc compile`.")
-    try:
-        manifest = json.loads(mf.read_text())
-    except ValueError:
-        raise SpeccError(f"{mf} is not valid JSON; compile the engine again.") from None
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise SpeccError(f"engine format {manifest.get('format_version')} is not the format this specc reads "
-                         f"({FORMAT_VERSION}); compile the engine again.")
-    return manifest
-
-
-def verify_files(path: Path, manifest: dict) -> None:
-    for rel, digest in manifest["files"].items():
+def verify_files(path: Path, files: dict) -> None:
+    for rel, digest in files.items():
         f = path / rel
         if not f.is_file():
             raise SpeccError(f"engine file {rel} is missing from {str(path)!r}; compile the engine again.")
@@ -392,28 +360,35 @@ def load(path, check_hashes: bool = True, device: str | None = None, cuda_graphs
     `device`: where an eager engine runs (default: the device it was compiled for); an inductor
     engine runs only on the device its graphs were compiled for. `cuda_graphs`: on CUDA, capture
     the decode calls once and replay them (specc/cuda_graphs.py); ignored on other devices."""
+    path = Path(path)
+    manifest = read(path)
+    if check_hashes:
+        verify_files(path, manifest.files)
+    return open_engine(path, manifest, device, cuda_graphs)
+
+
+def open_engine(path: Path, manifest: Manifest, device: str | None = None, cuda_graphs: bool = True) -> Engine:
+    """The engine in `path` as `manifest` describes it (read from its specc.json, or, while it is being
+    built, the manifest about to be written)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(path)
-    manifest = read_manifest(path)
-    if check_hashes:
-        verify_files(path, manifest)
-    if get_backend(manifest["backend"]).check_loadable is not None:  # tensorrt: its engines built
-        get_backend(manifest["backend"]).check_loadable(manifest, path)
-    backend, device = manifest["backend"], run_device(manifest, device)
+    backend = get_backend(manifest.backend)
+    if backend.check_loadable is not None:  # tensorrt: its engines built
+        backend.check_loadable(manifest, path)
+    device = run_device(manifest, device)
     # onnxruntime and TensorRT run their own launches: CUDA-graph capture is for the torch backends
-    cuda_graphs = cuda_graphs and torch.device(device).type == "cuda" and get_backend(backend).cuda_graphs
-    dtype = parse_dtype(manifest["dtype"])
+    cuda_graphs = cuda_graphs and torch.device(device).type == "cuda" and backend.cuda_graphs
+    dtype = parse_dtype(manifest.dtype)
     model = AutoModelForCausalLM.from_pretrained(path / "target", dtype=dtype).eval().requires_grad_(False)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path / "target")
     except Exception:
         tokenizer = None
-    entry, tree = manifest["drafter"], tree_from_paths(manifest["tree"]["paths"])
-    kind, cache_len, chunk = get_kind(entry["kind"]), manifest["cache_len"], manifest["prefill_chunk"]
+    entry, tree = manifest.drafter, tree_from_paths(manifest.tree["paths"])
+    kind, cache_len, chunk = get_kind(entry["kind"]), manifest.cache_len, manifest.prefill_chunk
     weights = kind.load_saved(path / "draft", entry, model, dtype)
-    quant = load_quant(manifest.get("quant", {}).get("target", NONE), path / "target")
-    if manifest.get("cpu_kernels") or manifest.get("quant", {}).get("cpu_kernel"):  # the latter: older engines
+    quant = load_quant(manifest.quant.target, path / "target")
+    if manifest.cpu_kernels:
         from specc.kernels.cpu_kernels import load_cpu_kernel, load_error
 
         if not load_cpu_kernel():
@@ -421,25 +396,26 @@ def load(path, check_hashes: bool = True, device: str | None = None, cuda_graphs
                              f"({load_error() or 'turned off by SPECC_CPU_KERNELS=0'}); compile the engine on this "
                              f"machine.")
     modules = build_modules(kind, model, weights, entry, tree, cache_len, quant)
-    plans = {p.name: p for p in graph_plans(kind, tree, chunk, cache_len, backend, modules.sampled,
-                                            manifest["modes"], "adaptive" in manifest,
-                                            manifest.get("prefill_chunks", [chunk])[:-1])}
+    plans = {p.name: p for p in graph_plans(kind, tree, chunk, cache_len, manifest.backend, modules.sampled,
+                                            manifest.modes, manifest.adaptive is not None,
+                                            manifest.prefill_chunks[:-1])}
     states = move_states(modules.states(), device)
     graphs = {}
-    for name, g in manifest["graphs"].items():
-        if name not in plans or plans[name].T != g["tokens"]:
+    for name, g in manifest.graphs.items():
+        if name not in plans or plans[name].T != g.tokens:
             raise SpeccError(f"graph {name} in the manifest does not match this engine's tree and drafter; "
                              f"compile the engine again.")
-        graphs[name] = checked(open_graph(backend, path, g, states[g["module"]], device, cuda_graphs), name, g["inputs"])
+        graphs[name] = checked(open_graph(manifest.backend, path, g.lowered, states[g.module], device, cuda_graphs),
+                               name, g.inputs)
     drafter = kind.runtime(graphs, tree, entry, chunk, device, weights)
     return Engine(manifest, graphs, tokenizer, drafter, tree, path=path, device=device, cuda_graphs=cuda_graphs)
 
 
-def run_device(manifest: dict, device: str | None) -> str:
+def run_device(manifest: Manifest, device: str | None) -> str:
     """Where an engine runs: its graphs' versions and device must match this machine (inductor)."""
-    backend, compiled_for = get_backend(manifest["backend"]), manifest.get("device", "cpu")
-    if backend.locked and manifest["torch_version"] != torch.__version__:
-        raise SpeccError(f"the engine's graphs were built with torch {manifest['torch_version']} but this is torch "
+    backend, compiled_for = get_backend(manifest.backend), manifest.device
+    if backend.locked and manifest.torch_version != torch.__version__:
+        raise SpeccError(f"the engine's graphs were built with torch {manifest.torch_version} but this is torch "
                          f"{torch.__version__}; compile the engine again.")
     device = check_device(device or compiled_for)
     if backend.locked and device != check_device(compiled_for):

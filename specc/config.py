@@ -15,12 +15,12 @@ import torch
 from .backends import backends_with, check_backend, check_device, get_backend
 from .drafters import get_kind, kinds_with
 from .errors import SpeccError
+from .manifest import MANIFEST
 from .models import parse_dtype
 from .quant import parse_quant, quant_spec
 from .signature import MODES
 from .tree import MAX_TREE_NODES, Tree, chain, is_measured, parse_tree
 
-MANIFEST = "specc.json"
 CHILDREN = ("topk", "sampled")
 MAX_NGRAM_BRANCH = 16  # deeper than lookup's continuations usefully reach
 DRAFTER_OPTIONS = {"drafter_path": "--drafter-path", "drafter_layers": "--drafter-layers", "block_size": "--block-size",

@@ -24,6 +24,7 @@ import torch
 from .adaptive import StepClock
 from .errors import SpeccError
 from .hybrid import NgramBranch
+from .manifest import Manifest
 from .prefill import prefill, prefill_name
 from .signature import (MODES, SampledChildren, StepSignature, graph_name, graphs_for_mode, mode_of, split_report,
                         uniform_columns)
@@ -81,27 +82,27 @@ class Result:
 class Engine:
     """Holds the engine's tensors (weights + KV caches), graphs, tree and drafter; see `specc.load`."""
 
-    def __init__(self, manifest: dict, graphs: dict, tokenizer, drafter, tree, path=None, device: str = "cpu",
+    def __init__(self, manifest: Manifest, graphs: dict, tokenizer, drafter, tree, path=None, device: str = "cpu",
                  cuda_graphs: bool = False):
         self.manifest, self.graphs, self.tokenizer, self.drafter, self.tree = manifest, graphs, tokenizer, drafter, tree
         self.path, self.device = path, torch.device(device)
         # Capture each decode graph once and replay it (CUDA only; specc/cuda_graphs.py).
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self._captured: dict[str, object] = {}
-        self.max_len = manifest["max_len"]
-        self.chunk = manifest["prefill_chunk"]
-        # the prefill chunk graphs' sizes (engines before several sizes: the one) and their measured costs
-        self.chunks = manifest.get("prefill_chunks", [self.chunk])
-        self.prefill_ms = {int(k): v for k, v in manifest["prefill_ms"].items()} if "prefill_ms" in manifest else None
-        self.eos = set(manifest["target"].get("eos_token_ids") or [])
+        self.max_len = manifest.max_len
+        self.chunk = manifest.prefill_chunk
+        # the prefill chunk graphs' sizes and their measured costs
+        self.chunks = manifest.prefill_chunks
+        self.prefill_ms = {int(k): v for k, v in manifest.prefill_ms.items()} if manifest.prefill_ms else None
+        self.eos = set(manifest.target.eos_token_ids or [])
         # One graph per step where the engine has a fused step; False runs the unfused path (its reference).
         self.use_fused = True
-        self.sampled = SampledChildren.from_entry(manifest["drafter"], manifest["target"]["vocab_size"])
-        self.rates = manifest["drafter"].get("confidence", False)  # its fused graph returns confidences
-        self.modes = tuple(manifest.get("modes", MODES))
+        self.sampled = SampledChildren.from_entry(manifest.drafter, manifest.target.vocab_size)
+        self.rates = manifest.drafter.get("confidence", False)  # its fused graph returns confidences
+        self.modes = tuple(manifest.modes)
         self._report_buffers: dict[tuple, torch.Tensor] = {}  # pinned host buffers for the reports (CUDA)
         # Adaptive verification (specc/adaptive.py): the family's latencies and the calibrated rates.
-        entry = manifest.get("adaptive") or {}
+        entry = manifest.adaptive or {}
         self.adaptive = entry if "latency_ms" in entry else None
         # Greedy adaptive generations choose from step times measured as they run (StepClock; kept
         # across generations, renewed when `adaptive` is replaced); False: the compiled table alone.
@@ -112,9 +113,9 @@ class Engine:
         self.record_confidences = False
         # `--tree auto` found plain decoding fastest on its calibration prompts: the engine decodes
         # plainly unless it chooses per step (adaptive).
-        self.speculates = manifest["tree"].get("picked") != "plain" or self.adaptive is not None
+        self.speculates = manifest.tree.get("picked") != "plain" or self.adaptive is not None
         # A hybrid tree (specc/hybrid.py): the host writes prompt lookup's continuation into each tree.
-        branch = manifest["drafter"].get("ngram_branch")
+        branch = manifest.drafter.get("ngram_branch")
         self.ngram_branch = NgramBranch(tree, branch) if branch else None
 
     def signatures(self, mode: str) -> tuple[StepSignature, StepSignature, StepSignature]:
@@ -127,7 +128,7 @@ class Engine:
     def encode(self, prompt, chat: bool = False) -> list[int]:
         if isinstance(prompt, (list, tuple)):
             ids = [int(t) for t in prompt]
-            vocab = self.manifest["target"]["vocab_size"]
+            vocab = self.manifest.target.vocab_size
             if not ids or any(not 0 <= t < vocab for t in ids):
                 raise SpeccError(f"prompt token ids must be a non-empty list of ids in [0, {vocab}).")
             return ids
@@ -167,7 +168,7 @@ class Engine:
         table = None
         if mode != "greedy":  # the whole generation's draws, once, on the CPU: the same on every device
             gen = torch.Generator().manual_seed(seed)
-            table = torch.rand(self.manifest["cache_len"], uniform_columns(self.tree.size, self.sampled),
+            table = torch.rand(self.manifest.cache_len, uniform_columns(self.tree.size, self.sampled),
                                generator=gen).to(self.device)
         drafter = self.drafter if speculate and self.speculates else None
         run = Run(committed=list(ids), base_len=L, budget=min(max_new_tokens, self.max_len - L), produced=0,
@@ -193,7 +194,7 @@ class Engine:
             on_rows = drafter.add_rows if drafter.needs_rows else None
         chunk_graphs = {c: run.graphs[prefill_name(c, self.chunk)] for c in self.chunks}
         first = prefill(ids, chunk_graphs, run.graphs["plain"], run.mode, run.temperature, run.top_p, run.table,
-                        on_rows, self.device, self.prefill_ms, self.manifest["cache_len"])
+                        on_rows, self.device, self.prefill_ms, self.manifest.cache_len)
         run.base_dev = self._tensor(len(ids))
         stats.prefill_s, stats.prompt_tokens = time.perf_counter() - t0, len(ids)
         run.committed.append(first)
@@ -237,8 +238,8 @@ class Engine:
             key = graph_name(name, mode) if graph_name(name, mode) in self.graphs else name
             if key in self.graphs:
                 if key not in self._captured:
-                    example = tuple(torch.zeros(s, dtype=getattr(torch, d.replace("torch.", "")), device=self.device)
-                                    for s, d in self.manifest["graphs"][key]["inputs"])
+                    example = tuple(torch.zeros(s, dtype=d, device=self.device)
+                                    for s, d in self.manifest.graphs[key].input_specs())
                     self._captured[key] = capture(self.graphs[key], example)
                 graphs[name] = self._captured[key]
         return graphs

@@ -82,12 +82,13 @@ def plan_files(entry: dict) -> list[tuple[str, str]]:
     return pairs
 
 
-def build_engines(folder: Path, manifest: dict, progress: bool = True) -> dict:
-    """Build every graph's plan in `folder`; returns the manifest's `tensorrt` field for them."""
+def build_engines(folder: Path, graphs: dict, progress: bool = True) -> dict:
+    """Build every graph's plan in `folder` (graphs: name -> the graph's lowered fields); returns the
+    manifest's `tensorrt` field for them."""
     from tqdm import tqdm
 
     version = require_tensorrt()
-    pairs = [p for g in manifest["graphs"].values() for p in plan_files(g)]
+    pairs = [p for g in graphs.values() for p in plan_files(g)]
     for onnx_file, plan in tqdm(pairs, desc="build (tensorrt)", unit="graph", disable=not progress):
         build_plan(folder / onnx_file, folder / plan)
     return {"built": True, "tensorrt_version": version, "gpu": torch.cuda.get_device_name(),
@@ -98,9 +99,9 @@ def unbuilt() -> dict:
     return {"built": False, "tensorrt_version": None, "gpu": None, "plans": []}
 
 
-def check_built(manifest: dict, folder: Path) -> None:
-    """Refuse an engine whose TensorRT engines were not built, or were built elsewhere."""
-    info = manifest.get("tensorrt") or unbuilt()
+def check_built(manifest, folder: Path) -> None:
+    """Refuse an engine (its Manifest) whose TensorRT engines were not built, or were built elsewhere."""
+    info = manifest.tensorrt or unbuilt()
     if not info["built"]:
         raise SpeccError(f"this tensorrt engine has its ONNX graphs but no TensorRT engines yet; run `specc build "
                          f"{folder}` on the GPU machine that will run it.")

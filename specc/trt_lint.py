@@ -206,16 +206,17 @@ def lint_file(path: Path, name: str | None = None) -> list[Finding]:
     return lint_model(onnx.load(str(path), load_external_data=False), name or Path(path).name)
 
 
-def engine_graph_files(manifest: dict) -> list[str]:
-    files = []
-    for g in manifest["graphs"].values():
-        files.append(g["file"])
-        if g.get("compact"):
-            files.append(g["compact"]["file"])
-    return files
+def graph_files(lowered: dict) -> list[str]:
+    """The ONNX files of one graph (its lowered fields): the graph's, and its compaction graph's."""
+    return [lowered["file"]] + ([lowered["compact"]["file"]] if lowered.get("compact") else [])
 
 
-def lint_engine(folder: Path, manifest: dict) -> list[Finding]:
+def engine_graph_files(manifest) -> list[str]:
+    """The ONNX files of an onnx or tensorrt engine (its Manifest)."""
+    return [f for g in manifest.graphs.values() for f in graph_files(g.lowered)]
+
+
+def lint_engine(folder: Path, manifest) -> list[Finding]:
     """Every ONNX graph of an onnx or tensorrt engine."""
     out = []
     for f in engine_graph_files(manifest):

@@ -125,4 +125,4 @@ def test_a_new_kind_is_one_module_and_one_registry_line(tiny_model_dir, tmp_path
     plain = engine.generate(prompt, max_new_tokens=16, stop_at_eos=False, speculate=False)
     assert res.token_ids == plain.token_ids
     assert res.stats.steps < plain.stats.steps  # it drafted, and some drafts were accepted
-    assert engine.manifest["drafter"] == {"kind": "ngram-eager", "max_ngram": 2, "min_ngram": 1}
+    assert engine.manifest.drafter == {"kind": "ngram-eager", "max_ngram": 2, "min_ngram": 1}

@@ -42,7 +42,7 @@ def test_engine_records_and_loads_its_device(tmp_path):
     path = specc.compile(tmp_path / "m", drafter="ngram", tree="chain:2", output_dir=tmp_path / "e", max_len=64,
                          prefill_chunk=8, progress=False, modes="greedy", device="cpu")
     engine = specc.load(path, device="cpu")
-    assert engine.manifest["device"] == "cpu" and engine.device == torch.device("cpu")
+    assert engine.manifest.device == "cpu" and engine.device == torch.device("cpu")
     assert len(engine.generate([5, 6, 7, 5, 6], max_new_tokens=6, stop_at_eos=False).token_ids) == 6
     if not torch.cuda.is_available():
         with pytest.raises(SpeccError, match="needs a CUDA GPU"):

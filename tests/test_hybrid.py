@@ -80,7 +80,7 @@ def test_hybrid_engine_is_greedy_identical_and_takes_lookups(hybrid_engine, spec
     both ways. On repetitive text the verifier accepts lookup's tokens."""
     model, path = hybrid_engine
     engine = specc.load(path)
-    assert engine.manifest["drafter"]["ngram_branch"]["depth"] == 3 and engine.tree.size == 10
+    assert engine.manifest.drafter["ngram_branch"]["depth"] == 3 and engine.tree.size == 10
     prompt = PROMPT * 3
     runs = {}
     for use_fused in (True, False):

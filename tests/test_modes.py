@@ -44,7 +44,7 @@ def mtp_sampled(tmp_path_factory):
 
 def test_one_graph_per_mode_and_no_run_time_branch(mtp_sampled):
     graphs = mtp_sampled.graphs
-    assert mtp_sampled.manifest["modes"] == ["greedy", "sample", "top_p"]
+    assert mtp_sampled.manifest.modes == ["greedy", "sample", "top_p"]
     for base in ("prefill", "plain", "step", "fused", "draft_prefill", "draft_step"):
         assert {f"{base}_{m}" for m in ("greedy", "sample", "top_p")} <= set(graphs), base
     for name, graph in graphs.items():

@@ -8,6 +8,7 @@ import torch
 
 import specc
 from specc.errors import SpeccError
+from specc.manifest import read
 from specc.trt_lint import lint_engine
 from test_engine import PROMPT, hf_greedy, mtp_checkpoint, random_dflash
 from test_tree_engine import mtp_target
@@ -59,7 +60,7 @@ def assert_checked_graphs(folder):
     assert weights <= sum(e["length"] for e in index.values()) + 4096 * len(index)
     for f in ["graphs/weights.data"] + files:
         assert f in manifest["files"], f"{f} is not hashed in the manifest"
-    errors = [str(f) for f in lint_engine(folder, manifest) if f.severity == "error"]
+    errors = [str(f) for f in lint_engine(folder, read(folder)) if f.severity == "error"]
     assert not errors, "\n".join(errors)
 
 

@@ -145,12 +145,12 @@ def test_onnx_greedy_identical_to_hf(reference, tmp_path):
     DFlash engines through onnx were checked on all five prompts once (5/5 each), and
     examples/bench_backends.py compares every backend's tokens, plain and speculative, each time it runs."""
     pytest.importorskip("onnxruntime")
+    from specc.manifest import read
     from specc.trt_lint import lint_engine
 
     path = specc.compile(None, backend="onnx", output_dir=tmp_path / "engine", max_len=512, prefill_chunk=32, progress=False,
                          modes="greedy")
-    manifest = json.loads((path / "specc.json").read_text())
-    assert [str(f) for f in lint_engine(path, manifest) if f.severity == "error"] == []
+    assert [str(f) for f in lint_engine(path, read(path)) if f.severity == "error"] == []
     check_engine(path, reference(), False, prompts=(0, 2))
 
 

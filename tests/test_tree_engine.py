@@ -203,7 +203,7 @@ def test_fused_step_equals_unfused(tmp_path, kind, backend, tree, children):
                          children=children, modes=",".join(modes))
     engine = specc.load(path)
     assert {f"fused_{m}" for m in modes} <= set(engine.graphs)
-    assert engine.manifest["drafter"]["children"] == children
+    assert engine.manifest.drafter["children"] == children
     calls = []
     for name in (f"fused_{m}" for m in modes):
         fused = engine.graphs[name]
