@@ -31,7 +31,7 @@ import torch._inductor.inductor_prims  # noqa: F401 -- registers prims.inductor_
 from torch import Tensor
 
 from .cpu_kernels import load_cpu_kernel
-from .triton_support import launch, require_triton, tl, traced, triton
+from .triton_support import launch, require_triton, rowwise_dot, tl, traced, triton
 
 # Whole step graphs of SmolLM2 on the AVX-512 EPYC, 2026-12-04 (BENCHMARKS.md "Cost curve of the step
 # graphs, 2026-12-04"): the C++ product won at 1 row (plain step 12.9 ms, 16.2 with the reduction) and
@@ -124,7 +124,7 @@ if triton is not None:
     @triton.jit
     def _rows_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, sx_m, sw_n, so_m, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                            DOT_F32: tl.constexpr):
+                            INTERPRETED: tl.constexpr):
         """A [BLOCK_M, BLOCK_N] tile of x @ w.T: the blocks of K one after the other, each one tl.dot
         accumulating into the tile (the tensor cores for 16-bit inputs, IEEE fp32 products for float32).
         Every program has the same tile shapes whatever M is, and a row's outputs depend only on that
@@ -141,10 +141,10 @@ if triton is not None:
             x = tl.load(x_ptr + rows[:, None] * sx_m + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptr + cols[:, None] * sw_n + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             w = w.to(x.dtype)  # int8 codes are exact in every float type
-            if DOT_F32:
-                x = x.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+            if INTERPRETED:  # Triton's interpreter on CPU tensors (see rows_linear_triton)
+                acc += rowwise_dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+            else:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         tl.store(out_ptr + rows[:, None] * so_m + cols[None, :], acc, mask=r_ok[:, None] & n_ok[None, :])
 
 
@@ -175,13 +175,15 @@ def rows_linear_triton(x: Tensor, w: Tensor) -> Tensor:
         rows = rows.contiguous()
     wc = w if w.stride(-1) == 1 else w.contiguous()
     out = torch.empty((rows.shape[0], N), dtype=torch.float32, device=x.device)
-    # Triton's interpreter multiplies bf16 bit patterns in tl.dot (see tree_attention.py): fp32 there.
-    dot_f32 = x.dtype == torch.bfloat16 and x.device.type == "cpu"
-    precision = "ieee" if x.dtype == torch.float32 or dot_f32 else "tf32"  # tf32 is ignored for 16-bit inputs
+    # CPU tensors run under Triton's interpreter, whose tl.dot multiplies bf16 bit patterns and sums a
+    # row by its place in the tile: there the products are fp32 (exact for 16-bit inputs) and summed
+    # per output (triton_support.rowwise_dot).
+    interpreted = x.device.type == "cpu"
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     block_n, block_k = product_blocks(N, K, x.dtype)
     launch(_rows_linear_kernel, (triton.cdiv(N, block_n), triton.cdiv(rows.shape[0], PRODUCT_ROWS)),
            rows, wc, out, rows.shape[0], N, K, rows.stride(0), wc.stride(0), out.stride(0), BLOCK_M=PRODUCT_ROWS,
-           BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, DOT_F32=dot_f32)
+           BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, INTERPRETED=interpreted)
     return out.to(x.dtype).view(shape + [N])
 
 

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .cpu_kernels import load_cpu_kernel
-from .triton_support import launch, next_pow2, require_triton, tl, traced, triton
+from .triton_support import launch, next_pow2, require_triton, rowwise_dot, tl, traced, triton
 
 
 def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Tensor) -> None:
@@ -72,7 +72,7 @@ if triton is not None:
                                sq_h, sq_m, sq_d, sk_h, sk_s, sk_d, sv_h, sv_s, sv_d, sm_m, sm_s,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                                SPLITS: tl.constexpr, HAS_LEN: tl.constexpr, PRECISION: tl.constexpr,
-                               DOT_F32: tl.constexpr):
+                               INTERPRETED: tl.constexpr):
         """One (kv head, block of query rows, split of the key range): the split's running maximum,
         sum and unnormalised output, fp32, into the partial buffers [KV, M, SPLITS(, BLOCK_D)]."""
         h = tl.program_id(0)
@@ -89,7 +89,7 @@ if triton is not None:
         # Padded rows and dims load zeros: their scores are finite and their outputs are never stored.
         q = tl.load(q_ptr + h * sq_h + rows[:, None] * sq_m + dims[None, :] * sq_d,
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-        if DOT_F32:
+        if INTERPRETED:
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -99,9 +99,10 @@ if triton is not None:
             col_ok = cols < hi
             kv_ok = col_ok[:, None] & dim_ok[None, :]
             k = tl.load(k_ptr + h * sk_h + cols[:, None] * sk_s + dims[None, :] * sk_d, mask=kv_ok, other=0.0)
-            if DOT_F32:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            if INTERPRETED:
+                s = rowwise_dot(q, tl.trans(k.to(tl.float32))) * scale
+            else:
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             bias = tl.load(mask_ptr + rows[:, None] * sm_m + cols[None, :] * sm_s,
                            mask=row_ok[:, None] & col_ok[None, :], other=0.0)
             # Columns past the range take no weight at all (not merely a large negative one).
@@ -114,10 +115,10 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + h * sv_h + cols[:, None] * sv_s + dims[None, :] * sv_d, mask=kv_ok, other=0.0)
             p_in = p.to(v.dtype)  # rounded to the input type, as the tensor-core product takes it
-            if DOT_F32:
-                p_in = p_in.to(tl.float32)
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p_in, v, input_precision=PRECISION)
+            if INTERPRETED:
+                acc = acc * alpha[:, None] + rowwise_dot(p_in.to(tl.float32), v.to(tl.float32))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p_in, v, input_precision=PRECISION)
             m_i = m_new
         at = (h * M + rows) * SPLITS + split
         tl.store(m_out + at, m_i, mask=row_ok)
@@ -205,11 +206,12 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Ten
     part_l = torch.empty((KV, M, splits), dtype=torch.float32, device=q.device)
     part_acc = torch.empty((KV, M, splits, block_d), dtype=torch.float32, device=q.device)
     # Triton's interpreter (TRITON_INTERPRET=1, the only way to run on CPU tensors) holds bf16 as
-    # uint16 bit patterns and its tl.dot multiplies the bits (triton-lang/triton#11584). There the
-    # operands go to fp32 first: products of bf16 values are exact in fp32, so this is the GPU's
-    # bf16 product with fp32 accumulation, up to the order of the sums.
-    dot_f32 = q.dtype == torch.bfloat16 and q.device.type == "cpu"
-    precision = "ieee" if q.dtype == torch.float32 or dot_f32 else "tf32"  # tf32 is ignored for 16-bit inputs
+    # uint16 bit patterns and its tl.dot multiplies the bits (triton-lang/triton#11584), and its
+    # matmul may sum a row by the row's place in the tile. There the operands go to fp32 first
+    # (products of 16-bit values are exact in fp32: the GPU's 16-bit product with fp32 accumulation,
+    # up to the order of the sums) and each output is summed on its own (triton_support.rowwise_dot).
+    interpreted = q.device.type == "cpu"
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
     grid = (KV, triton.cdiv(M, block_m), splits)
     launch(_tree_attention_kernel, grid,
         q, k_cache, v_cache, mask, kv_len if kv_len is not None else part_m, part_m, part_l, part_acc,
@@ -217,7 +219,7 @@ def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, mask: Ten
         q.stride(1), q.stride(2), q.stride(3), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(1), v_cache.stride(2), v_cache.stride(3), mask.stride(2), mask.stride(3),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SPLITS=splits, HAS_LEN=kv_len is not None,
-        PRECISION=precision, DOT_F32=dot_f32, num_warps=config["num_warps"], num_stages=config["num_stages"])
+        PRECISION=precision, INTERPRETED=interpreted, num_warps=config["num_warps"], num_stages=config["num_stages"])
     out = torch.empty((KV, M, block_d), dtype=torch.float32, device=q.device)
     launch(_combine_kernel, (KV * M,), part_m, part_l, part_acc, out, SPLITS=splits, BLOCK_S=max(2, next_pow2(splits)),
            BLOCK_D=block_d)

@@ -32,6 +32,19 @@ def wrap_triton(kernel):
         raise
 
 
+if triton is not None:
+    @triton.jit
+    def rowwise_dot(a, b):
+        """a [M, K] @ b [K, N] as products summed over K for each output on its own: the interpreted
+        kernels' tl.dot (INTERPRETED). Triton's interpreter runs tl.dot as numpy's matmul, whose library
+        kernel may sum a row differently by the row's place in the tile (measured on an AMD EPYC: row 6
+        of a 16-row tile), which the GPU's MMA instructions do not; under the interpreter this keeps a
+        row's bits independent of the other rows, as on the GPU."""
+        return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+else:
+    rowwise_dot = None
+
+
 # Triton's defaults, which a launch keeps unless its plan says otherwise.
 NUM_WARPS, NUM_STAGES = 4, 3
 

@@ -62,7 +62,7 @@ def test_launches_come_from_the_launchers():
     G = s.heads // s.kv_heads
     assert att.args["BLOCK_M"] == ROW_BLOCK and att.grid[:2] == (s.kv_heads, -(-G * 8 // ROW_BLOCK))
     assert att.num_warps == attention_config(torch.float32)["num_warps"]
-    assert att.args["PRECISION"] == "ieee" and att.args["DOT_F32"] is False  # not the interpreter's path
+    assert att.args["PRECISION"] == "ieee" and att.args["INTERPRETED"] is False  # not the interpreter's path
     # recorded, never run: a meta tensor has no data
     with recording() as got:
         from specc.kernels.compact_kv import compact_kv_triton

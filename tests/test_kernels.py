@@ -610,8 +610,9 @@ def test_attend_prefix_slices_the_cache_and_keeps_values(tmp_path, monkeypatch, 
     """The CPU lowering pass: each attention reads keys [0, n) only, n = kv_len in whole KEY_BLOCKs (K, V
     and mask sliced to one unbacked length for all layers), with the values of the whole-cache op, in
     eager and compiled by AOTInductor, while the slots past kv_len hold garbage (the mask hides them).
-    Plain SDPA over a just-written cache (prefill's) is sliced the same way. A step's ops that the C++
-    kernel serves (`kernel`, where it builds) stay ops: the kernel reads keys below kv_len itself."""
+    Plain SDPA over a just-written cache (prefill's) is sliced the same way. A step's ops become one SDPA
+    per tree node; those that the C++ kernel serves (`kernel`, where it builds) stay ops: the kernel reads
+    keys below kv_len itself."""
     import specc.passes.attend_prefix as ap
     from specc.kernels.cpu_kernels import load_cpu_kernel
     from specc.passes.attend_prefix import attend_prefix
@@ -631,7 +632,8 @@ def test_attend_prefix_slices_the_cache_and_keeps_values(tmp_path, monkeypatch, 
     ep = attend_prefix(tree_attention(captured) if op else captured)
     assert count(ep, lambda t: t is ops.tree_attention.default) == (n_layers if kernel else 0)
     attn = [n for n in ep.graph.nodes if n.op == "call_function" and n.target is SDPA]
-    assert len(attn) == (0 if kernel else n_layers)
+    # a step's op (`op`): one SDPA per tree node (the plain step's call for its grouped rows); prefill's: one
+    assert len(attn) == (0 if kernel else n_layers * (T if op else 1))
     if not kernel:
         lengths = {n.args[1].args[3] for n in attn}  # slice(k, 2, None, n): one n for every layer
         assert len(lengths) == 1 and next(iter(lengths)).target is torch.ops.aten.item.default
