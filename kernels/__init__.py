@@ -1,5 +1,8 @@
 """specc.kernels: the custom ops the compiled graphs call, each a torch reference plus a Triton kernel.
 
+This folder is the top-level kernels/ of the repository, installed as the package specc.kernels
+(pyproject.toml's package-dir): import it as `specc.kernels`, never as `kernels`.
+
 Importing this package registers the ops under the `specc` namespace:
 
 * ``torch.ops.specc.tree_attention(q, k_cache, v_cache, mask, scale)`` -- attention of the folded

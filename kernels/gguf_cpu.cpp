@@ -6,7 +6,7 @@
 // compute-bound (measured: SmolLM2's LM-head shape in Q4_1 2.6 ms, where int8 weights stream in
 // 1.1 ms). Here a 4-bit block's 16 possible weights d * c + m are one vector, and each code picks its
 // weight with one permute (AVX-512), so a block of 32 weights costs a widening load, a shift, two
-// permutes and two multiply-adds per input row.
+// permutes and two multiply-adds per input row; on AVX2 two 8-lane halves and a blend (below).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -45,7 +45,7 @@ template <int64_t F, int R>
 void dot_rows(const float* x, int64_t K, const uint8_t* q, const c10::Half* d, const c10::Half* m, int64_t nb,
               float* out, int64_t N) {
   const int64_t qbytes = F == Q8_0 ? 32 : 16;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && !defined(SPECC_GGUF_PORTABLE)  // the macro: the portable loops, for comparison
   __m512 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
   const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -73,8 +73,56 @@ void dot_rows(const float* x, int64_t K, const uint8_t* q, const c10::Half* d, c
     }
   }
   for (int r = 0; r < R; ++r) out[r * N] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(SPECC_GGUF_PORTABLE)
+  // AVX2: the block's 16 possible weights as two 8-lane halves; a code picks its weight from each half
+  // with one permute (which reads its low 3 bits) and a blend on its bit 3, so a block of 32 weights
+  // costs four widening loads, four permute pairs and four multiply-adds per input row.
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  const __m256 codes_lo = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 codes_hi = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* qb = q + b * qbytes;
+    const __m256 dv = _mm256_set1_ps(to_float(d[b]));
+    __m256 wv[4];  // the block's weights of values 0-7, 8-15, 16-23, 24-31
+    if constexpr (F == Q8_0) {
+      for (int j = 0; j < 4; ++j) {
+        const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * j));
+        wv[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), dv);
+      }
+    } else {
+      __m256 t0, t1;  // the weights of codes 0-7 and 8-15, computed as the reference does
+      if constexpr (F == Q4_0) {
+        t0 = _mm256_mul_ps(dv, _mm256_sub_ps(codes_lo, _mm256_set1_ps(8.0f)));
+        t1 = _mm256_mul_ps(dv, _mm256_sub_ps(codes_hi, _mm256_set1_ps(8.0f)));
+      } else {
+        const __m256 mv = _mm256_set1_ps(to_float(m[b]));
+        t0 = _mm256_add_ps(_mm256_mul_ps(dv, codes_lo), mv);
+        t1 = _mm256_add_ps(_mm256_mul_ps(dv, codes_hi), mv);
+      }
+      for (int j = 0; j < 2; ++j) {  // bytes 8j..8j+7: low nibbles are values 8j.., high ones 16 + 8j..
+        const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * j)));
+        const __m256i lo = _mm256_and_si256(w, _mm256_set1_epi32(15)), hi = _mm256_srli_epi32(w, 4);
+        wv[j] = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, lo), _mm256_permutevar8x32_ps(t1, lo),
+                                 _mm256_castsi256_ps(_mm256_slli_epi32(lo, 28)));
+        wv[2 + j] = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, hi), _mm256_permutevar8x32_ps(t1, hi),
+                                     _mm256_castsi256_ps(_mm256_slli_epi32(hi, 28)));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * K + b * BLOCK;
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(xb + 8 * j), acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 s = _mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), _mm256_add_ps(acc[r][2], acc[r][3]));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_hadd_ps(h, h);
+    out[r * N] = _mm_cvtss_f32(_mm_hadd_ps(h, h));
+  }
 #else
-  // Portable: 16 lanes in arrays the compiler vectorises (AVX2 machines: two 8-lane halves).
+  // Portable: 16 lanes in arrays the compiler vectorises (ARM's NEON among them).
   float acc[R][16] = {};
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* qb = q + b * qbytes;
