@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import fcntl
+import functools
 import hashlib
 import os
 import re
@@ -234,7 +235,18 @@ def kernel_sources() -> str:
 # Contraction: the C++ few-row product sums in the order of Inductor's reduction (dense_cpu.cpp), with
 # one fused multiply-add per product as Inductor's `acc + w * x` becomes with contraction on; without
 # it both would round twice, and the product at one row is 8-10% slower (measured, 2026-12-07).
-INDUCTOR_CONFIGS = {"emulate_precision_casts": True, "cpp.enable_floating_point_contract_flag": "fast"}
+# GCC contracts by a heuristic, not always: tuned for a CPU whose FMA latency it deems costly (-march=
+# native on an AVX2 AMD EPYC, Zen 2/3) it leaves a reduction's single accumulator chain as a multiply
+# and an add (the 1-row product) and fuses the independent chains of a T-row one, so a verify row lost
+# the plain step's bits (measured there, 2026-12-07: 1 row against 4 or 7 rows of Inductor's own
+# reduction). --param=avoid-fma-max-bits=0 turns the heuristic off: every `acc + w * x` is one FMA.
+# (A GCC param; Inductor splits its flags on spaces, so it rides on the contraction flag.)
+@functools.cache
+def inductor_configs() -> dict:
+    from torch._inductor.cpp_builder import is_gcc
+
+    return {"emulate_precision_casts": True,
+            "cpp.enable_floating_point_contract_flag": "fast --param=avoid-fma-max-bits=0" if is_gcc() else "fast"}
 
 
 def cache_key(lifted_ep: torch.export.ExportedProgram, sub: dict, example_args: tuple) -> str:
@@ -245,7 +257,7 @@ def cache_key(lifted_ep: torch.export.ExportedProgram, sub: dict, example_args: 
     for part in (lifted_ep.graph_module.code,
                  repr([(k, tuple(v.shape), str(v.dtype)) for k, v in sub.items()]),
                  repr([(tuple(a.shape), str(a.dtype)) for a in example_args]),
-                 torch.__version__, "specc-aoti-3", repr(sorted(INDUCTOR_CONFIGS.items())), kernel_sources()):
+                 torch.__version__, "specc-aoti-3", repr(sorted(inductor_configs().items())), kernel_sources()):
         h.update(part.encode())
     for name, c in sorted(lifted_ep.constants.items()):
         h.update(name.encode())
@@ -295,7 +307,7 @@ def compile_inductor(ep: torch.export.ExportedProgram, state: dict[str, torch.Te
             tmp = cached.with_suffix(f".tmp{os.getpid()}.pt2")
             try:
                 torch._inductor.aoti_compile_and_package(lifted_ep, package_path=str(tmp),
-                                                         inductor_configs=dict(INDUCTOR_CONFIGS))  # torch adds to it
+                                                         inductor_configs=dict(inductor_configs()))  # torch adds to it
                 tmp.replace(cached)
             finally:
                 tmp.unlink(missing_ok=True)

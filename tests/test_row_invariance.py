@@ -47,13 +47,29 @@ def test_cpp_product_sums_in_inductors_order(K, wdtype):
     w = torch.randn(72, K, generator=gen(K))
     w = (w * 40).round().clamp(-127, 127).to(torch.int8) if wdtype == torch.int8 else w
     x = torch.randn(1, 16, K, generator=gen(1))
-    from specc.backends import INDUCTOR_CONFIGS  # the engine's Inductor settings (contraction on)
+    from specc.backends import inductor_configs  # the engine's Inductor settings (contraction on)
 
     compiled = torch.compile(lambda r: rows_linear_reference(r, w), fullgraph=True, dynamic=False,
-                             options=dict(INDUCTOR_CONFIGS))(x)
+                             options=dict(inductor_configs()))(x)
     for rows in (1, 2, 3, 5, 8, 9, 16):
         got = torch.ops.specc_cpu.dense_matvec(x[:, :rows].contiguous(), w)
         assert torch.equal(bits(got), bits(compiled[:, :rows])), rows
+
+
+@pytest.mark.parametrize("K", [256, 576])
+def test_inductors_reduction_gives_a_row_its_bits_at_every_row_count(K):
+    """Inductor's compiled reduction (rows_linear's reference body, the float32 products of every CPU
+    without AVX-512) compiled at 1 row and at T rows gives row 0 the same bits: the compiler contracts
+    each `acc + w * x` alike in every graph (GCC tuned for an AVX2 AMD EPYC fused the T-row graph's chains
+    but not the 1-row graph's single chain until specc turned its heuristic off; backends.inductor_configs)."""
+    from specc.backends import inductor_configs
+
+    w = torch.randn(96, K, generator=gen(K))
+    x = torch.randn(7, K, generator=gen(2))
+    outs = {T: torch.compile(lambda r: rows_linear_reference(r, w), fullgraph=True, dynamic=False,
+                             options=dict(inductor_configs()))(x[:T].contiguous()) for T in (1, 4, 7)}
+    for T in (4, 7):
+        assert torch.equal(bits(outs[T][:1]), bits(outs[1])), T
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
