@@ -22,22 +22,63 @@ from pathlib import Path
 from specc import harness
 
 SHAPES = {"qkv": (960, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
-BUILDS = {  # name -> (the cpuinfo flag it needs, the flags that leave the wider sets out)
-    "AVX-512": ("avx512f", ""),
-    "AVX2": ("avx2", "-mno-avx512f"),
+BUILDS = {  # name -> (the cpuinfo flag it needs, the flags that leave the wider sets out, ATen's dispatch)
+    "AVX-512": ("avx512f", "", "avx512"),
+    "AVX2": ("avx2", "-mno-avx512f", "avx2"),
     # what AVX2 machines ran before the AVX2 path: the portable loops, vectorised by the compiler for AVX2
-    "AVX2, portable loops": ("avx2", "-mno-avx512f -DSPECC_GGUF_PORTABLE"),
-    "portable": ("sse2", "-mno-avx512f -mno-avx2 -mno-fma"),
+    "AVX2 portable loops": ("avx2", "-mno-avx512f -DSPECC_GGUF_PORTABLE", "avx2"),
+    "portable": ("sse2", "-mno-avx512f -mno-avx2 -mno-fma", "default"),
 }
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 
 
+def _bytes(fmt: str, N: int, K: int) -> int:
+    """The weight's bytes in this format (what a one-row product reads)."""
+    return N * K + 4 * N if fmt == "int8" else N * K // 32 * BLOCK_BYTES[fmt]
+
+
+def _aten_int4(qs, d, m, fmt: str):
+    """PyTorch's int4 CPU kernel over the same 4-bit blocks, or None. Its weight is (q - 8) * scale + zero
+    per group of 32: scale d and zero m + 8d give d * q + m (Q4_1), zero 0 gives d * (q - 8) (Q4_0)."""
+    import torch
+
+    N, nb, _ = qs.shape
+    codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(N, nb * 32).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    scale = d.float().T.contiguous()
+    zero = (m.float() + 8 * d.float()).T.contiguous() if fmt == "Q4_1" else torch.zeros_like(scale)
+    sz = torch.stack([scale, zero], dim=-1).contiguous()
+    return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, sz)
+
+
+def products(fmt: str, N: int, K: int, g):
+    """(specc's hand-written product, PyTorch's maintained kernel or None, the weight's bytes) for
+    random weights of one format and shape."""
+    import torch
+
+    from specc.kernels.gguf_linear import FORMATS
+
+    if fmt == "int8":  # --quant int8: int8 rows, a float32 scale per output row, applied after the product
+        w = torch.randint(-127, 128, (N, K), generator=g).to(torch.int8)
+        scale = torch.rand(N, generator=g) * 0.01
+        return (lambda x: torch.ops.specc_cpu.dense_matvec(x, w) * scale,
+                lambda x: torch.ops.aten._weight_int8pack_mm(x, w, scale), _bytes(fmt, N, K))
+    nb = K // 32
+    qs = torch.randint(-128 if fmt == "Q8_0" else 0, 128 if fmt == "Q8_0" else 256,
+                       (N, nb, 32 if fmt == "Q8_0" else 16), generator=g).to(torch.int8 if fmt == "Q8_0" else torch.uint8)
+    d = (torch.rand(N, nb, generator=g) * 0.01).half()
+    m = (torch.rand(N, nb, generator=g) * -0.01).half() if fmt == "Q4_1" else torch.empty(0, dtype=torch.half)
+    ours = lambda x: torch.ops.specc_cpu.gguf_matvec(x, qs, d, m, FORMATS.index(fmt))  # noqa: E731
+    # no maintained CPU kernel takes int8 blocks with a scale per 32 weights (Q8_0)
+    return ours, (None if fmt == "Q8_0" else _aten_int4(qs, d, m, fmt)), _bytes(fmt, N, K)
+
+
 def worker(formats: list[str], rows: list[int], calls: int) -> dict:
-    """In a process built with this environment's flags: mean ms a call per (format, shape, rows)."""
+    """In a process built with this environment's flags (and ATen's kernels dispatched for the same
+    instruction set): {"format shape rows": [specc ms, aten ms or None, aten row-invariant or None]}."""
     import torch
 
     from specc.kernels.cpu_kernels import load_cpu_kernel, load_error
-    from specc.kernels.gguf_linear import FORMATS
 
     if not load_cpu_kernel():
         raise SystemExit(f"the C++ products did not build: {load_error()}")
@@ -45,21 +86,24 @@ def worker(formats: list[str], rows: list[int], calls: int) -> dict:
     out = {}
     for fmt in formats:
         for shape, (N, K) in SHAPES.items():
-            nb = K // 32
-            qs = torch.randint(-128 if fmt == "Q8_0" else 0, 128 if fmt == "Q8_0" else 256, (N, nb, 32 if fmt == "Q8_0" else 16),
-                               generator=g).to(torch.int8 if fmt == "Q8_0" else torch.uint8)
-            d = (torch.rand(N, nb, generator=g) * 0.01).half()
-            m = (torch.rand(N, nb, generator=g) * -0.01).half() if fmt == "Q4_1" else torch.empty(0, dtype=torch.half)
+            ours, aten, _ = products(fmt, N, K, g)
+            xs = torch.randn(max(rows), K, generator=g)
+            one = aten(xs[:1]) if aten is not None else None
             for r in rows:
-                x = torch.randn(r, K, generator=g)
-                op = torch.ops.specc_cpu.gguf_matvec
-                ms = 1000 * harness.mean_time(lambda: op(x, qs, d, m, FORMATS.index(fmt)), calls, warmup=2)
-                out[f"{fmt} {shape} {r}"] = ms
+                x = xs[:r].contiguous()
+                ms = 1000 * harness.mean_time(lambda: ours(x), calls, warmup=2)
+                if aten is None:
+                    out[f"{fmt} {shape} {r}"] = [ms, None, None]
+                    continue
+                aten_ms = 1000 * harness.mean_time(lambda: aten(x), calls, warmup=2)
+                # lossless speculation needs each row's bits whatever the row count: row 0 as in a 1-row call
+                out[f"{fmt} {shape} {r}"] = [ms, aten_ms, bool(torch.equal(aten(x)[:1], one))]
     return out
 
 
 def run_build(name: str, args) -> dict:
-    env = dict(os.environ, SPECC_CPU_KERNEL_FLAGS=BUILDS[name][1], OMP_NUM_THREADS=str(args.threads))
+    env = dict(os.environ, SPECC_CPU_KERNEL_FLAGS=BUILDS[name][1], ATEN_CPU_CAPABILITY=BUILDS[name][2],
+               OMP_NUM_THREADS=str(args.threads))
     cmd = [sys.executable, "-P", __file__, "--worker", "--formats", ",".join(args.formats), "--rows",
            ",".join(map(str, args.rows)), "--calls", str(args.calls)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -70,9 +114,11 @@ def run_build(name: str, args) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--formats", type=lambda s: s.split(","), default=["Q4_1", "Q4_0", "Q8_0"])
+    ap.add_argument("--formats", type=lambda s: s.split(","), default=["Q4_1", "Q4_0", "Q8_0", "int8"])
     ap.add_argument("--rows", type=lambda s: [int(r) for r in s.split(",")], default=[1, 2, 4, 8, 16])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--builds", type=lambda s: s.split(","), default=list(BUILDS),
+                    help="the builds to time, of: " + ", ".join(BUILDS) + " (those this CPU runs)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     harness.bench_args(ap, rounds=3, calls=20, calls_help="timed calls per shape and row count in each process")
     args = ap.parse_args()
@@ -80,20 +126,35 @@ def main() -> int:
         print(json.dumps(worker(args.formats, args.rows, args.calls)))
         return 0
     flags = Path("/proc/cpuinfo").read_text(errors="ignore").split()
-    builds = [b for b, (needs, _) in BUILDS.items() if needs in flags]
+    unknown = [b for b in args.builds if b not in BUILDS]
+    if unknown:
+        raise SystemExit(f"unknown build {unknown[0]!r}; the builds are: {', '.join(BUILDS)}.")
+    builds = [b for b in args.builds if BUILDS[b][0] in flags]
     res = harness.paired({b: (lambda b=b: run_build(b, args)) for b in builds}, args.rounds, warmup=0)
-    ms = {b: {k: harness.median([r[0][k] for r in res[b]]) for k in res[b][0][0]} for b in builds}
+    ms = {b: {k: [harness.median([r[0][k][i] for r in res[b]]) if res[b][0][0][k][i] is not None else None
+                  for i in range(2)] for k in res[b][0][0]} for b in builds}
+    invariant = {b: {k: all(r[0][k][2] is not False for r in res[b]) for k in res[b][0][0]} for b in builds}
     rows = []
     for key in ms[builds[0]]:
         fmt, shape, r = key.split()
         N, K = SHAPES[shape]
-        gbs = N * K // 32 * BLOCK_BYTES[fmt] / (ms.get("AVX2", ms[builds[0]])[key] / 1000) / 1e9
-        rows.append([fmt, f"{shape} {N}x{K}", r, *(f"{ms[b][key]:.3f}" for b in builds), f"{gbs:.1f}"])
-    body = harness.table(["format", "product", "rows", *(f"{b} ms" for b in builds), "AVX2 GB/s"], rows)
-    setup = (f"specc_cpu::gguf_matvec built per instruction set, each build in its own process "
-             f"({args.threads} threads), {args.calls} calls per figure, {args.rounds} rounds in rotated order, medians; "
-             f"random blocks of SmolLM2-135M's product shapes. \"AVX2, portable loops\" is what an AVX2 machine "
-             f"ran before the AVX2 path (the portable loops as the compiler vectorises them for AVX2).")
+        for b in builds:
+            ours, aten = ms[b][key]
+            gbs = _bytes(fmt, N, K) / (ours / 1000) / 1e9
+            rows.append([fmt, f"{shape} {N}x{K}", r, b, f"{ours:.3f}", f"{gbs:.1f}",
+                         "-" if aten is None else f"{aten:.3f}", "-" if aten is None else f"{aten / ours:.2f}",
+                         "-" if aten is None else ("yes" if invariant[b][key] else "no")])
+    body = harness.table(["format", "product", "rows", "build", "specc ms", "specc GB/s", "ATen ms", "ATen / specc",
+                          "ATen rows invariant"], rows)
+    setup = (f"specc's hand-written products (specc_cpu::gguf_matvec; int8: specc_cpu::dense_matvec and its scale) "
+             f"against PyTorch's maintained CPU kernels on the same weights (int8: aten._weight_int8pack_mm; "
+             f"Q4_0/Q4_1: aten._weight_int4pack_mm_for_cpu, groups of 32; none takes Q8_0's blocks), per "
+             f"instruction set: each build in its own process with ATen dispatched for the same set "
+             f"(ATEN_CPU_CAPABILITY), {args.threads} threads, {args.calls} calls per figure, {args.rounds} rounds "
+             f"in rotated order, medians; random weights of SmolLM2-135M's product shapes. GB/s: the weight's "
+             f"bytes over specc's time. \"ATen rows invariant\": whether row 0 of an R-row call has the bits of a "
+             f"1-row call in every round (a speculative verify needs that). \"AVX2 portable loops\" is what an "
+             f"AVX2 machine ran before the AVX2 path.")
     return harness.record(args, "GGUF block products per instruction set", setup, body,
                           command="python examples/bench_gguf_isa.py " + " ".join(sys.argv[1:]))
 

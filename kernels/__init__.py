@@ -12,9 +12,11 @@ Importing this package registers the ops under the `specc` namespace:
 * ``torch.ops.specc.compact_kv_`` -- the accepted path's K/V moved in place to consecutive slots
   (compact_kv.py);
 * ``torch.ops.specc.gguf_linear(x, qs, d, m, fmt)`` -- a product with a weight kept in a GGUF
-  file's Q8_0 / Q4_0 / Q4_1 blocks, dequantised in the kernel (gguf_linear.py). Its CPU body calls
-  ``torch.ops.specc_cpu.gguf_matvec`` for a few rows, a C++ product built for the machine on first
-  use (gguf_cpu.cpp, cpu_kernels.py), where a compiler is found; else the reference;
+  file's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks or Q4_K / Q5_K / Q6_K super-blocks, dequantised in the kernel
+  (gguf_linear.py). Its CPU body calls ``torch.ops.specc_cpu.gguf_matvec`` (gguf_cpu.cpp) or, for
+  the K-quants, ``torch.ops.specc_cpu.gguf_kquant_matvec`` (gguf_kquants_cpu.cpp) for a few rows,
+  C++ products built for the machine on first use (cpu_kernels.py), where a compiler is found; else
+  the reference;
 * ``torch.ops.specc.rows_linear(x, w)`` -- x @ w.T for the few rows of a decode step, w float or
   int8 (the `matvec` pass puts it in; rows_linear.py): on CPU the C++ product
   ``torch.ops.specc_cpu.dense_matvec`` (dense_cpu.cpp) where it builds and was measured faster,

@@ -1,7 +1,8 @@
 """The `specc_cpu` ops: hand-written CPU products of a few rows, built here.
 
-* `specc_cpu::gguf_matvec(x, qs, d, m, fmt)`: with a weight in GGUF blocks (gguf_cpu.cpp), the body of
-  specc::gguf_linear on CPU;
+* `specc_cpu::gguf_matvec(x, qs, d, m, fmt)`: with a weight in GGUF blocks of 32 (gguf_cpu.cpp), and
+  `specc_cpu::gguf_kquant_matvec(x, qs, fmt)`: with one in K-quant super-blocks (gguf_kquants_cpu.cpp),
+  the body of specc::gguf_linear on CPU;
 * `specc_cpu::dense_matvec(x, w)`: with a float32 or int8 [out, in] weight (dense_cpu.cpp), the
   body of specc::rows_linear on CPU at the row counts and input widths it was measured faster
   (rows_linear.py);
@@ -27,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(f) for f in ("gguf_cpu.cpp", "dense_cpu.cpp", "attention_cpu.cpp")]
+SOURCES = [Path(__file__).with_name(f)
+           for f in ("gguf_cpu.cpp", "gguf_kquants_cpu.cpp", "dense_cpu.cpp", "attention_cpu.cpp")]
 # no contraction: the reference's rounding. SPECC_CPU_KERNEL_FLAGS adds flags (the tests build the
 # portable path on an AVX-512 machine with -mno-avx512f).
 # -fno-trapping-math: lets the compiler vectorise loops with conditional selects (attention's exp), which
@@ -79,6 +81,7 @@ def load_cpu_kernel() -> bool:
                      extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(out), is_python_module=False,
                      verbose=False)
             torch.library.register_fake("specc_cpu::gguf_matvec")(_fake_gguf)
+            torch.library.register_fake("specc_cpu::gguf_kquant_matvec")(_fake_gguf_kquant)
             torch.library.register_fake("specc_cpu::dense_matvec")(_fake_dense)
             torch.library.register_fake("specc_cpu::rows_attention")(_fake_attention)
             ok = True
@@ -94,6 +97,10 @@ def load_error() -> str | None:
 
 
 def _fake_gguf(x, qs, d, m, fmt):
+    return x.new_empty((*x.shape[:-1], qs.shape[0]))
+
+
+def _fake_gguf_kquant(x, qs, fmt):
     return x.new_empty((*x.shape[:-1], qs.shape[0]))
 
 

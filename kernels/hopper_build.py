@@ -77,7 +77,7 @@ def shape_of(config: dict, cache_len: int, name: str = "target") -> Shape:
                  config.get("head_dim") or config["hidden_size"] // heads, config["hidden_size"],
                  config["intermediate_size"], config["vocab_size"], cache_len)
 TREE_SIZES = (1, 8, 16, 32, 64)
-GGUF_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+GGUF_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def _trees(T: int) -> list[tuple[int, int]]:
@@ -129,8 +129,13 @@ def shape_launches(shape: Shape, dtype: torch.dtype, tree_sizes=TREE_SIZES, gguf
         if T <= gguf_linear.MAX_ROWS:
             for fmt in gguf:
                 for name, (N, K) in shape.products().items():
-                    qs = torch.empty(N, K // 32, 32 if fmt == "Q8_0" else 16,
-                                     dtype=torch.int8 if fmt == "Q8_0" else torch.uint8, **meta)
+                    if fmt in gguf_linear.K_FORMATS:  # super-blocks of 256 (a file keeps narrower rows in others)
+                        if K % gguf_linear.SUPER_BLOCK:
+                            continue
+                        qs = torch.empty(N, K // 256, gguf_linear.BLOCK_BYTES[fmt], dtype=torch.uint8, **meta)
+                    else:
+                        qs = torch.empty(N, K // 32, 32 if fmt == "Q8_0" else 16,
+                                         dtype=torch.int8 if fmt == "Q8_0" else torch.uint8, **meta)
                     scales = torch.empty(N, K // 32, dtype=torch.float16, **meta)
                     rec(f"gguf {fmt} {name} {N}x{K}", gguf_linear.gguf_linear_triton,
                         torch.empty(1, T, K, dtype=torch.float32, **meta), qs, scales,

@@ -15,10 +15,13 @@ registered for its type (`@handler`) quantizes each product weight, as torchao's
   scale and minimum, 4-bit codes (0.625 bytes per weight): GGUF's Q4_1 layout.
   `Int4WeightOnly(symmetric=True)` (--quant int4:symmetric=true): llama.cpp's Q4_0 blocks.
   The block formats run on the GGUF product (specc::gguf_linear, kernels/gguf_linear.py).
-* `GGUFFile()` (--quant gguf): the blocks a GGUF file stores (Q8_0, Q4_0, Q4_1), read into
-  `GGUFBlocks` and kept as they are. They decode bit for bit to the float weights transformers loads
-  from the file (checked when an engine is built), so such an engine computes the very model a float
-  load of the file gives, from 0.6-1.1 bytes per weight. The engine keeps the blocks
+* `GGUFFile()` (--quant gguf): the blocks a GGUF file stores (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, and the K-quants
+  Q4_K, Q5_K, Q6_K of Q4_K_M / Q5_K_M / Q6_K files), read into `GGUFBlocks` and kept as they are.
+  They decode bit for bit to the float weights transformers loads from the file (checked when an
+  engine is built), so such an engine computes the very model a float load of the file gives, from
+  0.56-1.1 bytes per weight. A fused product whose tensors differ in format (a Q4_K_M file keeps
+  attn_v, and some layers' ffn_down, in Q6_K beside Q4_K) is one block group per run of parts in one
+  format, its outputs concatenated (GGUFParts). The engine keeps the blocks
   (target/gguf_blocks.safetensors).
 
 Quantizing is a pure function of the float weights for every kind but gguf, so an engine stores its
@@ -50,9 +53,9 @@ from torch import nn
 from .errors import SpeccError
 
 GGUF_FILE = "gguf_blocks.safetensors"  # an engine's copy of its target's GGUF blocks (in target/)
-GGUF_FORMATS = ("Q8_0", "Q4_0", "Q4_1")
+GGUF_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")  # kernels/gguf_linear.py
 # What a quantized product computes with, which a backend must lower (Backend.weights): float
-# weights, int8 rows with a scale each (Int8Weight), or GGUF-style blocks of 32 (GGUFWeight).
+# weights, int8 rows with a scale each (Int8Weight), or GGUF blocks (GGUFWeight, GGUFParts).
 WEIGHT_FORMATS = ("float", "int8", "blocks")
 
 
@@ -99,8 +102,8 @@ class Int4WeightOnly:
 
 @dataclass(frozen=True)
 class GGUFFile:
-    """Keep the blocks of the target's own GGUF file (Q8_0, Q4_0, Q4_1) as they are: the compiler
-    reads them (read_gguf_blocks) into GGUFBlocks, which quantize_ takes."""
+    """Keep the blocks of the target's own GGUF file (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) as they are:
+    the compiler reads them (read_gguf_blocks) into GGUFBlocks, which quantize_ takes."""
     NAME: ClassVar[str] = "gguf"
     weights: ClassVar[str] = "blocks"
     block_formats: ClassVar[tuple] = GGUF_FORMATS
@@ -115,7 +118,8 @@ class GGUFFile:
 
 @dataclass(frozen=True)
 class GGUFBlocks:
-    """The weights as a GGUF file stores them: {product name: (format, qs, d, m)} (read_gguf_blocks)."""
+    """The weights as a GGUF file stores them (read_gguf_blocks): {product name: (format, qs, d, m)},
+    or for a fused product whose parts differ in format a list of those, stacked by rows in order."""
     blocks: dict = field(compare=False, repr=False)
     NAME: ClassVar[str] = "gguf"
     weights: ClassVar[str] = "blocks"
@@ -199,8 +203,8 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class GGUFWeight(nn.Module):
-    """A product weight kept in GGUF blocks (Q8_0, Q4_0, Q4_1), dequantised inside the product
-    (specc::gguf_linear, kernels/gguf_linear.py)."""
+    """A product weight kept in GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), dequantised inside
+    the product (specc::gguf_linear, kernels/gguf_linear.py)."""
 
     def __init__(self, fmt: str, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
         import specc.kernels  # noqa: F401  (registers torch.ops.specc.gguf_linear)
@@ -213,7 +217,9 @@ class GGUFWeight(nn.Module):
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size([self.qs.shape[0], self.qs.shape[1] * 32])
+        from specc.kernels.gguf_linear import weight_shape
+
+        return torch.Size(weight_shape(self.qs, self.fmt))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.specc.gguf_linear(x.to(torch.float32), self.qs, self.d, self.m, self.fmt).to(x.dtype)
@@ -222,6 +228,26 @@ class GGUFWeight(nn.Module):
         from specc.kernels.gguf_linear import dequantize
 
         return dequantize(self.qs, self.d, self.m, self.fmt)
+
+
+class GGUFParts(nn.Module):
+    """A fused product weight (q/k/v, gate/up) whose GGUF tensors are in different block formats: one
+    GGUFWeight per group of rows (`groups`: (format, qs, d, m) each, in row order), the outputs
+    concatenated. Exported, it is one specc::gguf_linear per group and a cat."""
+
+    def __init__(self, groups: list):
+        super().__init__()
+        self.parts = nn.ModuleList(GGUFWeight(*group) for group in groups)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size([sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.cat([p.dequantized() for p in self.parts])
 
 
 def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -309,7 +335,8 @@ def _int4(name: str, w: torch.Tensor, config: Int4WeightOnly):
 def _gguf(name: str, w: torch.Tensor, config: GGUFBlocks):
     if name not in config.blocks:  # stored as float in the file: stays float
         return None
-    new = GGUFWeight(*config.blocks[name])
+    spec = config.blocks[name]
+    new = GGUFParts(spec) if isinstance(spec, list) else GGUFWeight(*spec)
     check_blocks(name, new, w)
     return new
 
@@ -340,7 +367,7 @@ def quantize_(target: nn.Module, config) -> nn.Module:
     return target
 
 
-def check_blocks(name: str, q: GGUFWeight, w: torch.Tensor) -> None:
+def check_blocks(name: str, q: GGUFWeight | GGUFParts, w: torch.Tensor) -> None:
     """The blocks must decode to exactly the float weight the model was loaded with."""
     if tuple(q.shape) != tuple(w.shape) or not torch.equal(q.dequantized(), w.detach().float()):
         raise SpeccError(f"the GGUF blocks of {name} do not decode to the weights transformers loaded from the file; "
@@ -356,13 +383,18 @@ def read_gguf_blocks(path, config) -> GGUFBlocks:
     """The product weights of a llama-architecture GGUF file as blocks, in the target's layout: q/k/v
     and gate/up stacked by rows, q and k rows un-permuted as transformers un-permutes them (llama.cpp
     interleaves the rotary halves), the LM head from `output.weight` or, tied, `token_embd.weight`.
-    A product whose tensors are float in the file is left out (it stays float)."""
+    A product whose tensors are float in the file is left out (it stays float); one whose tensors
+    differ in block format (Q4_K_M's Q4_K q/k beside a Q6_K v) becomes a list of block groups, one
+    per run of parts in one format."""
     import gguf
     import numpy as np
 
-    from specc.kernels.gguf_linear import split_blocks
+    from specc.kernels.gguf_linear import BLOCK_BYTES, block_size, split_blocks
 
-    reader = gguf.GGUFReader(str(path))
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except ValueError as e:  # gguf-py's checks, among them K-quant rows that are not whole super-blocks
+        raise SpeccError(f"{path} is not a GGUF file that --quant gguf can read: {str(e).rstrip('.')}.") from None
     arch = reader.fields.get("general.architecture")
     arch = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else "?"
     if arch != "llama":
@@ -379,7 +411,11 @@ def read_gguf_blocks(path, config) -> GGUFBlocks:
         if kind not in GGUF_FORMATS:
             raise SpeccError(f"--quant gguf keeps {', '.join(GGUF_FORMATS)} blocks; {name} in {path} is {kind} "
                              f"(use --quant none or int8).")
+        K, size = int(t.shape[0]), block_size(kind)  # GGUF lists the input dimension first
         raw = torch.from_numpy(np.array(t.data))
+        if K % size or raw.shape[-1] != K // size * BLOCK_BYTES[kind]:
+            raise SpeccError(f"{name} in {path} is {kind} with rows of {K} values, not a whole number of {kind}'s "
+                             f"{size}-value blocks; the file is damaged.")
         if heads is not None:  # transformers' reverse permutation of q/k rows, as a row index
             n = raw.shape[0]
             raw = raw[torch.arange(n).reshape(heads, n // heads // 2, 2).transpose(1, 2).reshape(-1)]
@@ -395,25 +431,32 @@ def read_gguf_blocks(path, config) -> GGUFBlocks:
         parts = [rows(n, heads.get(n.split(".")[-2])) for n in names]
         if any(p is None for p in parts):
             if not all(p is None for p in parts):
-                raise SpeccError(f"--quant gguf needs {' / '.join(names)} in one block format; {path} mixes float "
-                                 f"and quantized tensors there.")
+                raise SpeccError(f"--quant gguf needs {' / '.join(names)} all quantized or all float; {path} mixes "
+                                 f"float and quantized tensors there.")
             continue
-        kinds = {k for k, _ in parts}
-        if len(kinds) > 1:
-            raise SpeccError(f"--quant gguf needs {' / '.join(names)} in one block format; {path} has "
-                             f"{', '.join(sorted(kinds))}.")
-        fmt = kinds.pop()
-        out[product] = (fmt, *split_blocks(torch.cat([r for _, r in parts]), fmt))
+        groups: list[tuple[str, list]] = []  # runs of consecutive parts in one format, stacked by rows
+        for kind, raw in parts:
+            if groups and groups[-1][0] == kind:
+                groups[-1][1].append(raw)
+            else:
+                groups.append((kind, [raw]))
+        blocks = [(fmt, *split_blocks(torch.cat(raws), fmt)) for fmt, raws in groups]
+        out[product] = blocks[0] if len(blocks) == 1 else blocks
     return GGUFBlocks(out)
 
 
 def save_blocks(config: GGUFBlocks, path) -> None:
+    """One safetensors file; its metadata names each product's format, or its groups' formats in
+    order (their tensors under NAME.I.qs and so on)."""
     from safetensors.torch import save_file
 
     tensors, formats = {}, {}
-    for name, (fmt, qs, d, m) in config.blocks.items():
-        tensors.update({f"{name}.qs": qs, f"{name}.d": d, f"{name}.m": m})
-        formats[name] = fmt
+    for name, spec in config.blocks.items():
+        groups = list(enumerate(spec)) if isinstance(spec, list) else [(None, spec)]
+        for i, (fmt, qs, d, m) in groups:
+            prefix = name if i is None else f"{name}.{i}"
+            tensors.update({f"{prefix}.qs": qs, f"{prefix}.d": d, f"{prefix}.m": m})
+        formats[name] = [fmt for fmt, *_ in spec] if isinstance(spec, list) else spec[0]
     save_file(tensors, str(path), metadata={"formats": json.dumps(formats)})
 
 
@@ -421,9 +464,12 @@ def load_blocks(path) -> GGUFBlocks:
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
+        def group(prefix: str, fmt: str):
+            return fmt, f.get_tensor(f"{prefix}.qs"), f.get_tensor(f"{prefix}.d"), f.get_tensor(f"{prefix}.m")
+
         formats = json.loads(f.metadata()["formats"])
-        return GGUFBlocks({name: (fmt, f.get_tensor(f"{name}.qs"), f.get_tensor(f"{name}.d"), f.get_tensor(f"{name}.m"))
-                           for name, fmt in formats.items()})
+        return GGUFBlocks({name: [group(f"{name}.{i}", x) for i, x in enumerate(fmt)] if isinstance(fmt, list)
+                           else group(name, fmt) for name, fmt in formats.items()})
 
 
 def for_target(config, gguf_file, hf_config):

@@ -718,6 +718,8 @@ def test_aoti_inlines_the_ops(tmp_path):
 
 # -- gguf_linear: products with GGUF block-quantized weights -------------------------------------
 
+GGUF_32_FORMATS = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]  # the formats of 32-value blocks (gguf_cpu.cpp)
+
 def gguf_weight(fmt: str, N: int = 40, K: int = 96, seed: int = 0):
     """A random weight quantized by gguf-py (what llama.cpp's tools write), as the file's bytes and
     as gguf-py dequantises them."""
@@ -730,21 +732,21 @@ def gguf_weight(fmt: str, N: int = 40, K: int = 96, seed: int = 0):
     return torch.from_numpy(np.array(raw)), torch.from_numpy(gguf.quants.dequantize(raw, qtype)).float()
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("fmt", GGUF_32_FORMATS)
 def test_gguf_blocks_decode_as_gguf_py_and_the_product_matches(fmt):
     from specc.kernels.gguf_linear import dequantize, gguf_linear_reference, split_blocks
 
     raw, want = gguf_weight(fmt)
     qs, d, m = split_blocks(raw, fmt)
     assert torch.equal(dequantize(qs, d, m, fmt), want)  # bit for bit: the model transformers loads
-    assert d.dtype == torch.float16 and (m.numel() > 0) == (fmt == "Q4_1")
+    assert d.dtype == torch.float16 and (m.numel() > 0) == (fmt in ("Q4_1", "Q5_1"))
     for rows in (1, 3, 20):  # 20: past MAX_ROWS, the dequantise-then-GEMM path
         x = torch.randn(1, rows, want.shape[1], generator=gen(rows))
         torch.testing.assert_close(gguf_linear_reference(x, qs, d, m, fmt), x @ want.T, atol=1e-4, rtol=1e-5)
         torch.testing.assert_close(ops.gguf_linear(x, qs, d, m, fmt), x @ want.T, atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("fmt", GGUF_32_FORMATS)
 def test_gguf_linear_triton_matches_reference(interpreted, fmt):
     from specc.kernels.gguf_linear import gguf_linear_reference, gguf_linear_triton, split_blocks
 
@@ -755,7 +757,7 @@ def test_gguf_linear_triton_matches_reference(interpreted, fmt):
                                atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("fmt", GGUF_32_FORMATS)
 def test_gguf_cpu_product_matches_the_weights(fmt):
     """gguf_cpu.cpp's product (built here: this machine has Inductor's compiler) against the float64
     product with gguf-py's weights, for 1..16 rows (groups of 4 and the rest) and odd output counts;
@@ -839,7 +841,7 @@ def test_cpu_products_other_instruction_sets_subprocess(level, needs, flags):
     proc = subprocess.run([sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                            "gguf_cpu_product or dense_cpu_product"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "6 passed" in proc.stdout
+    assert f"{len(GGUF_32_FORMATS) + 3} passed" in proc.stdout
 
 
 @pytest.mark.parametrize("cpu_kernel", [True, False])
