@@ -1,16 +1,20 @@
-"""The GGUF block product (kernels/gguf_cpu.cpp) per instruction set: AVX-512, AVX2 and portable builds.
+"""specc's quantized CPU products per instruction set (AVX-512, AVX2, portable builds), beside PyTorch's own.
 
-    python examples/bench_gguf_isa.py [--formats Q4_1,Q4_0,Q8_0] [--rows 1,2,4,8,16] [--calls 20]
-        [--rounds 3] [--json] [--write BENCHMARKS.md]
+    python examples/bench_gguf_isa.py [--formats Q4_1,Q4_0,Q8_0,int8] [--rows 1,2,4,8,16]
+        [--builds AVX-512,AVX2,...] [--calls 20] [--rounds 3] [--json] [--write BENCHMARKS.md]
 
 specc's C++ products are built for the machine that loads them; a CPU without AVX-512 gets the AVX2
 path, and one without AVX2 the portable loops. This machine builds each path it can run (the
 narrower ones with SPECC_CPU_KERNEL_FLAGS leaving the wider instruction sets out, as the tests do),
-each in a process of its own (one build per process), and times `specc_cpu::gguf_matvec` on
-SmolLM2-135M's product shapes (random blocks: the fused q/k/v 960x576, gate/up 3072x576, down
-576x1536, LM head 49152x576) at each row count. Rounds run the builds in rotated order; figures are
-medians over rounds of each process's mean ms a call. The GB/s column is the blocks' bytes over the
-AVX2 time: a decode step reads each weight once, so it is the product's share of the memory's speed.
+each in a process of its own (one build per process, ATen's own kernels dispatched for the same
+instruction set with ATEN_CPU_CAPABILITY), and times specc's product on SmolLM2-135M's product shapes
+(random weights: the fused q/k/v 960x576, gate/up 3072x576, down 576x1536, LM head 49152x576) at each
+row count: `specc_cpu::gguf_matvec` for the GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1),
+`specc_cpu::dense_matvec` for int8 rows; beside it PyTorch's maintained kernel for the same weights
+where one exists (int8: aten._weight_int8pack_mm; Q4_0 / Q4_1: aten._weight_int4pack_mm_for_cpu) and
+whether that kernel gives a row the same bits at every row count (what a lossless verify needs).
+Rounds run the builds in rotated order; figures are medians over rounds of each process's mean ms a
+call. GB/s: the weight's bytes over specc's time (a decode step reads each weight once).
 """
 import argparse
 import json
@@ -29,7 +33,7 @@ BUILDS = {  # name -> (the cpuinfo flag it needs, the flags that leave the wider
     "AVX2 portable loops": ("avx2", "-mno-avx512f -DSPECC_GGUF_PORTABLE", "avx2"),
     "portable": ("sse2", "-mno-avx512f -mno-avx2 -mno-fma", "default"),
 }
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}
 
 
 def _bytes(fmt: str, N: int, K: int) -> int:
@@ -64,13 +68,14 @@ def products(fmt: str, N: int, K: int, g):
         return (lambda x: torch.ops.specc_cpu.dense_matvec(x, w) * scale,
                 lambda x: torch.ops.aten._weight_int8pack_mm(x, w, scale), _bytes(fmt, N, K))
     nb = K // 32
-    qs = torch.randint(-128 if fmt == "Q8_0" else 0, 128 if fmt == "Q8_0" else 256,
-                       (N, nb, 32 if fmt == "Q8_0" else 16), generator=g).to(torch.int8 if fmt == "Q8_0" else torch.uint8)
+    code_bytes = {"Q8_0": 32, "Q5_0": 20, "Q5_1": 20}.get(fmt, 16)  # 5-bit: qh's 4 bytes, then the codes
+    qs = torch.randint(-128 if fmt == "Q8_0" else 0, 128 if fmt == "Q8_0" else 256, (N, nb, code_bytes),
+                       generator=g).to(torch.int8 if fmt == "Q8_0" else torch.uint8)
     d = (torch.rand(N, nb, generator=g) * 0.01).half()
-    m = (torch.rand(N, nb, generator=g) * -0.01).half() if fmt == "Q4_1" else torch.empty(0, dtype=torch.half)
+    m = (torch.rand(N, nb, generator=g) * -0.01).half() if fmt in ("Q4_1", "Q5_1") else torch.empty(0, dtype=torch.half)
     ours = lambda x: torch.ops.specc_cpu.gguf_matvec(x, qs, d, m, FORMATS.index(fmt))  # noqa: E731
-    # no maintained CPU kernel takes int8 blocks with a scale per 32 weights (Q8_0)
-    return ours, (None if fmt == "Q8_0" else _aten_int4(qs, d, m, fmt)), _bytes(fmt, N, K)
+    # no maintained CPU kernel takes int8 blocks with a scale per 32 weights (Q8_0) or 5-bit codes
+    return ours, (_aten_int4(qs, d, m, fmt) if fmt in ("Q4_0", "Q4_1") else None), _bytes(fmt, N, K)
 
 
 def worker(formats: list[str], rows: list[int], calls: int) -> dict:

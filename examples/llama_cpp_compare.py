@@ -101,7 +101,7 @@ def main() -> int:
         lines += [f"**{dataset}** ({len(texts)} prompts): specc {med['specc']:.1f} decode tokens/s, llama.cpp "
                   f"{med['llama.cpp']:.1f}: specc / llama.cpp = {med['specc'] / med['llama.cpp']:.2f}x.", ""]
         for who in med:
-            cfg = (f"specc plain decoding, {args.quant} weights (inductor), decode only" if who == "specc"
+            cfg = (f"specc plain decoding, {gguf.name} (--quant {args.quant}, inductor), decode only" if who == "specc"
                    else f"llama.cpp plain decoding, {gguf.name}, decode only")
             figures.append(benchfile.figure(cfg, dataset, model=model, tokens_per_s=med[who],
                                             new_tokens=args.max_new_tokens, prompts=len(texts),
