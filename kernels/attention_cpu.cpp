@@ -18,9 +18,9 @@
 // Masked keys (mask -1e9) give p_j = 0 exactly, which adds nothing (the sums never hold -0), so a tree's
 // interleaved masked slots and the masked tail past the last key read leave a row's sums as plain
 // decoding's: the row's visible keys are summed in the same order (context, then the path's nodes by
-// depth). float32 throughout; multiply-adds of whole vectors are fused where the CPU has FMA, and every
+// depth). float32 throughout; multiply-adds of whole vectors are fused on x86 CPUs with FMA, and every
 // value goes through the same instructions wherever it sits, so vector code and scalar code agree.
-// Rows are computed four at a time where there are four (sharing each load of a key or value row),
+// Rows are computed up to four at a time (sharing each load of a key or value row),
 // the arithmetic of each row being the one-row arithmetic.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,12 +35,21 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 constexpr int64_t KEYS = 16;  // keys per block: the lanes of one score vector (a whole line of fp32)
-constexpr int64_t DCHUNK = 64;  // output values of one row kept in registers while the keys go by
-constexpr int64_t ROWS_PER_TASK = 16;  // query rows of one kv head per task of the thread pool
+// Output values of one row kept in registers while the keys go by, and rows sharing each value row:
+// 4 rows x 64 values take 16 of AVX-512's 32 registers; AVX2 has 16 registers of half the width.
+#if defined(__AVX512F__)
+constexpr int64_t DCHUNK = 64, WEIGH_ROWS = 4;
+#else
+constexpr int64_t DCHUNK = 32, WEIGH_ROWS = 2;
+#endif
+constexpr int64_t MAX_ROWS_PER_TASK = 16;  // query rows of one kv head per task of the thread pool
 
 // exp(x) in place for x <= 0 (scores minus their maximum), float32: x = n ln2 + r, |r| <= ln2 / 2,
 // Cephes' degree-5 polynomial for exp(r), then 2^n by the exponent bits. The loop has no branch, so the
@@ -79,55 +88,129 @@ inline void to_floats(const T* __restrict src, float* __restrict dst, int64_t n)
   }
 }
 
-// Sixteen float32 lanes (GCC's and Clang's vector extension: one AVX-512 register, two AVX2 ones, four
-// NEON ones). Each lane is its own value: +, * act lane by lane, rounded as scalar code rounds.
-typedef float Lanes __attribute__((vector_size(KEYS * sizeof(float))));
-typedef int32_t LaneIndex __attribute__((vector_size(KEYS * sizeof(int32_t))));
+// Sixteen float32 lanes, held as the machine's own vectors (GCC's and Clang's vector extension): one
+// AVX-512 register, two AVX ones, four SSE or NEON ones. A vector type wider than the machine's is
+// compiled lane by lane through memory (measured on an AVX2 EPYC: 3x slower than scalar code), hence the
+// pieces. Each lane is its own value: +, * and madd act lane by lane, rounded as scalar code rounds.
+#if defined(__AVX512F__)
+constexpr int64_t NATIVE = 16;
+#elif defined(__AVX__)
+constexpr int64_t NATIVE = 8;
+#else
+constexpr int64_t NATIVE = 4;
+#endif
+constexpr int64_t PIECES = KEYS / NATIVE;
+typedef float Native __attribute__((vector_size(NATIVE * sizeof(float))));
+struct Lanes {
+  Native p[PIECES];
+};
 
-inline Lanes load_lanes(const float* p) {
+inline Lanes zero_lanes() {
   Lanes v;
-  std::memcpy(&v, p, sizeof(v));
+  for (int64_t i = 0; i < PIECES; ++i) v.p[i] = Native{};
   return v;
 }
 
-// Multiply-adds of whole Lanes only, contracted to fused multiply-adds where the CPU has them: every lane
-// of every call goes through the same instruction, so a value does not depend on where it sits.
-#define SPECC_LANES_FMA __attribute__((optimize("fp-contract=fast")))
+// piece by piece: a copy of the whole struct goes through 16-byte moves, which the next 32-byte read of
+// the same memory waits for (GCC, AVX2)
+inline Lanes load_lanes(const float* p) {
+  Lanes v;
+  for (int64_t i = 0; i < PIECES; ++i) std::memcpy(&v.p[i], p + i * NATIVE, sizeof(Native));
+  return v;
+}
+
+inline void store_lanes(float* p, const Lanes& v) {
+  for (int64_t i = 0; i < PIECES; ++i) std::memcpy(p + i * NATIVE, &v.p[i], sizeof(Native));
+}
+
+// acc + a * b lane by lane, one fused multiply-add on x86 CPUs that have it (the same instruction for
+// every lane of every call, so a value does not depend on where it sits), else a rounded product and a
+// sum (ARM included: its compilers are not asked to contract).
+inline Native madd(Native acc, Native a, Native b) {
+#if defined(__AVX512F__)
+  return _mm512_fmadd_ps(a, b, acc);
+#elif defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, acc);
+#else
+  return acc + a * b;
+#endif
+}
+
+inline Lanes madd(const Lanes& acc, const Lanes& a, const Lanes& b) {
+  Lanes r;
+  for (int64_t i = 0; i < PIECES; ++i) r.p[i] = madd(acc.p[i], a.p[i], b.p[i]);
+  return r;
+}
+
+inline Lanes madd(const Lanes& acc, float a, const Lanes& b) {
+  Lanes r;
+  const Native av = a - Native{};  // broadcast
+  for (int64_t i = 0; i < PIECES; ++i) r.p[i] = madd(acc.p[i], av, b.p[i]);
+  return r;
+}
 
 // Sixteen vectors -> one whose lane j is the sum of p[j]'s lanes, each by the same tree: lane l plus
 // lane l + 8, then + 4, + 2, + 1 (at::vec's order). Which lane a key lands in does not change its sum.
 inline Lanes sum_lanes(const Lanes* p) {
+  Lanes out;
+#if defined(__AVX512F__)
+  typedef int32_t LaneIndex __attribute__((vector_size(KEYS * sizeof(int32_t))));
   const LaneIndex lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
   const LaneIndex lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
   const LaneIndex lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
   const LaneIndex lo1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  Lanes a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i) a[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], lo8) + __builtin_shuffle(p[2 * i], p[2 * i + 1], lo8 + 8);
+  Native a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shuffle(p[2 * i].p[0], p[2 * i + 1].p[0], lo8) + __builtin_shuffle(p[2 * i].p[0], p[2 * i + 1].p[0], lo8 + 8);
   for (int i = 0; i < 4; ++i) b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo4) + __builtin_shuffle(a[2 * i], a[2 * i + 1], lo4 + 4);
   for (int i = 0; i < 2; ++i) c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], lo2) + __builtin_shuffle(b[2 * i], b[2 * i + 1], lo2 + 2);
-  return __builtin_shuffle(c[0], c[1], lo1) + __builtin_shuffle(c[0], c[1], lo1 + 1);
+  out.p[0] = __builtin_shuffle(c[0], c[1], lo1) + __builtin_shuffle(c[0], c[1], lo1 + 1);
+#elif defined(__AVX__)
+  // eight keys at a time: a_j = lanes 0-7 + lanes 8-15; the 128-bit halves pair keys j and j + 4
+  // (+ 4), in-lane shuffles pair lanes l and l + 2 (+ 2), then l and l + 1 (+ 1), leaving keys in order
+  for (int64_t h = 0; h < 2; ++h) {
+    __m256 a[8], s[4];
+    for (int j = 0; j < 8; ++j) a[j] = p[8 * h + j].p[0] + p[8 * h + j].p[1];
+    for (int j = 0; j < 4; ++j)
+      s[j] = _mm256_add_ps(_mm256_permute2f128_ps(a[j], a[j + 4], 0x20), _mm256_permute2f128_ps(a[j], a[j + 4], 0x31));
+    const __m256 v1 = _mm256_add_ps(_mm256_shuffle_ps(s[0], s[1], 0x44), _mm256_shuffle_ps(s[0], s[1], 0xEE));
+    const __m256 v2 = _mm256_add_ps(_mm256_shuffle_ps(s[2], s[3], 0x44), _mm256_shuffle_ps(s[2], s[3], 0xEE));
+    out.p[h] = _mm256_add_ps(_mm256_shuffle_ps(v1, v2, 0x88), _mm256_shuffle_ps(v1, v2, 0xDD));
+  }
+#else
+  float o[KEYS];
+  for (int64_t j = 0; j < KEYS; ++j) {
+    float l[KEYS];
+    store_lanes(l, p[j]);
+    for (int64_t w = KEYS / 2; w >= 1; w /= 2)
+      for (int64_t i = 0; i < w; ++i) l[i] = l[i] + l[i + w];
+    o[j] = l[0];
+  }
+  out = load_lanes(o);
+#endif
+  return out;
 }
 
 // R rows' scores against a block of KEYS keys (rows of Dp floats, zeros past D): s[r][j] = the tree of
 // sum_lanes over lane l's sum, in order over c, of q[r][c + l] * k[j][c + l]. The R rows share each load
 // of a key; each row's arithmetic is the one-row arithmetic.
 template <int R>
-SPECC_LANES_FMA inline void score_block(const float* __restrict q, int64_t Dp, const float* __restrict kb, int64_t nj,
-                                        float* __restrict s, int64_t s_stride) {
+inline void score_block(const float* __restrict q, int64_t Dp, const float* __restrict kb, int64_t nj,
+                        float* __restrict s, int64_t s_stride) {
   Lanes part[R][KEYS];
   for (int64_t j = 0; j < KEYS; ++j) {
     Lanes acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = Lanes{};
+    for (int r = 0; r < R; ++r) acc[r] = zero_lanes();
     if (j < nj)
       for (int64_t c = 0; c < Dp; c += KEYS) {
         const Lanes kc = load_lanes(kb + j * Dp + c);
-        for (int r = 0; r < R; ++r) acc[r] = acc[r] + load_lanes(q + r * Dp + c) * kc;
+        for (int r = 0; r < R; ++r) acc[r] = madd(acc[r], load_lanes(q + r * Dp + c), kc);
       }
-    for (int r = 0; r < R; ++r) part[r][j] = acc[r];
+    for (int r = 0; r < R; ++r)
+      for (int64_t i = 0; i < PIECES; ++i) part[r][j].p[i] = acc[r].p[i];
   }
   for (int r = 0; r < R; ++r) {
-    const Lanes sum = sum_lanes(part[r]);
-    std::memcpy(s + r * s_stride, &sum, sizeof(sum));
+    store_lanes(s + r * s_stride, sum_lanes(part[r]));
   }
 }
 
@@ -137,14 +220,13 @@ SPECC_LANES_FMA inline void score_block(const float* __restrict q, int64_t Dp, c
 // skipped and a key masked for some rows only is added to all: a row's bits do not depend on its
 // neighbours. The R rows share each load of a value row and keep 4R independent sums in flight.
 template <int R>
-SPECC_LANES_FMA inline void weigh_values(const float* __restrict p, int64_t width, int64_t n,
-                                         const float* __restrict v, int64_t Dv, float* __restrict y,
-                                         float* __restrict l) {
+inline void weigh_values(const float* __restrict p, int64_t width, int64_t n, const float* __restrict v, int64_t Dv,
+                         float* __restrict y, float* __restrict l) {
   Lanes acc[R][DCHUNK / KEYS];
   float sum[R];
   for (int r = 0; r < R; ++r) {
     sum[r] = 0.0f;
-    for (auto& a : acc[r]) a = Lanes{};
+    for (auto& a : acc[r]) a = zero_lanes();
   }
   for (int64_t j = 0; j < n; ++j) {
     bool any = false;
@@ -155,11 +237,11 @@ SPECC_LANES_FMA inline void weigh_values(const float* __restrict p, int64_t widt
     for (int r = 0; r < R; ++r) {
       const float pj = p[r * width + j];
       sum[r] = sum[r] + pj;
-      for (int64_t c = 0; c < DCHUNK / KEYS; ++c) acc[r][c] = acc[r][c] + pj * vj[c];
+      for (int64_t c = 0; c < DCHUNK / KEYS; ++c) acc[r][c] = madd(acc[r][c], pj, vj[c]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    std::memcpy(y + r * DCHUNK, acc[r], sizeof(acc[r]));
+    for (int64_t c = 0; c < DCHUNK / KEYS; ++c) store_lanes(y + r * DCHUNK + c * KEYS, acc[r][c]);
     l[r] = sum[r];
   }
 }
@@ -185,7 +267,11 @@ inline float* scratch(std::vector<float>& buf, size_t n) {
 template <typename T>
 void attend(const T* q, const T* k, const T* v, const T* mask, T* out, int64_t KV, int64_t M, int64_t S, int64_t D,
             int64_t n, float scale, int64_t mask_rows, int64_t mask_cols) {
-  const int64_t groups = (M + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+  // rows per task: up to 16 (sharing each key's load), fewer where that leaves threads idle (a plain step
+  // of a model with 3 kv heads has 3 rows per head: 3 tasks would keep one of 2 threads waiting a third)
+  const int64_t want_tasks = 4 * static_cast<int64_t>(at::get_num_threads());
+  const int64_t rows_per_task = std::max<int64_t>(1, std::min(MAX_ROWS_PER_TASK, (KV * M) / want_tasks));
+  const int64_t groups = (M + rows_per_task - 1) / rows_per_task;
   const int64_t blocks = (n + KEYS - 1) / KEYS, width = blocks * KEYS;
   const int64_t Dk = (D + KEYS - 1) / KEYS * KEYS;        // query and key rows padded with zeros to whole vectors
   const int64_t Dv = (D + DCHUNK - 1) / DCHUNK * DCHUNK;  // value rows padded to whole chunks
@@ -220,11 +306,11 @@ void attend(const T* q, const T* k, const T* v, const T* mask, T* out, int64_t K
   const int64_t key_head = keys_in_place ? S * D : n * Dk, value_head = values_in_place ? S * D : n * Dv;
   at::parallel_for(0, KV * groups, 1, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> q_buf, score_buf;
-    float* qf = scratch(q_buf, ROWS_PER_TASK * Dk);
-    float* sc = scratch(score_buf, ROWS_PER_TASK * width);
+    float* qf = scratch(q_buf, rows_per_task * Dk);
+    float* sc = scratch(score_buf, rows_per_task * width);
     for (int64_t task = t0; task < t1; ++task) {
-      const int64_t h = task / groups, r0 = (task % groups) * ROWS_PER_TASK;
-      const int64_t rows = std::min(ROWS_PER_TASK, M - r0);
+      const int64_t h = task / groups, r0 = (task % groups) * rows_per_task;
+      const int64_t rows = std::min(rows_per_task, M - r0);
       const float* krows = keys + h * key_head;
       const float* vrows = values + h * value_head;
       for (int64_t r = 0; r < rows; ++r)
@@ -232,13 +318,16 @@ void attend(const T* q, const T* k, const T* v, const T* mask, T* out, int64_t K
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t j0 = b * KEYS, nj = std::min(KEYS, n - j0);
         for (int64_t r = 0; r < rows;) {
-          if (rows - r >= 4) {
-            score_block<4>(qf + r * Dk, Dk, krows + j0 * Dk, nj, sc + r * width + j0, width);
-            r += 4;
-          } else {
-            score_block<1>(qf + r * Dk, Dk, krows + j0 * Dk, nj, sc + r * width + j0, width);
-            r += 1;
+          const int64_t R = std::min<int64_t>(4, rows - r);
+          const float* qr = qf + r * Dk;
+          float* sr = sc + r * width + j0;
+          switch (R) {
+            case 4: score_block<4>(qr, Dk, krows + j0 * Dk, nj, sr, width); break;
+            case 3: score_block<3>(qr, Dk, krows + j0 * Dk, nj, sr, width); break;
+            case 2: score_block<2>(qr, Dk, krows + j0 * Dk, nj, sr, width); break;
+            default: score_block<1>(qr, Dk, krows + j0 * Dk, nj, sr, width);
           }
+          r += R;
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
@@ -252,11 +341,17 @@ void attend(const T* q, const T* k, const T* v, const T* mask, T* out, int64_t K
         exp_nonpositive(sr, width);
       }
       for (int64_t r = 0; r < rows;) {
-        const int64_t R = rows - r >= 4 ? 4 : 1;
+        const int64_t R = std::min<int64_t>(WEIGH_ROWS, rows - r);
         for (int64_t d0 = 0; d0 < D; d0 += DCHUNK) {
           float y[4 * DCHUNK], l[4];
-          if (R == 4) weigh_values<4>(sc + r * width, width, n, vrows + d0, values_in_place ? D : Dv, y, l);
-          else weigh_values<1>(sc + r * width, width, n, vrows + d0, values_in_place ? D : Dv, y, l);
+          const float* pr = sc + r * width;
+          const int64_t vstride = values_in_place ? D : Dv;
+          switch (R) {
+            case 4: weigh_values<WEIGH_ROWS >= 4 ? 4 : 1>(pr, width, n, vrows + d0, vstride, y, l); break;
+            case 3: weigh_values<WEIGH_ROWS >= 3 ? 3 : 1>(pr, width, n, vrows + d0, vstride, y, l); break;
+            case 2: weigh_values<2>(pr, width, n, vrows + d0, vstride, y, l); break;
+            default: weigh_values<1>(pr, width, n, vrows + d0, vstride, y, l);
+          }
           for (int64_t i = 0; i < R; ++i) {
             const int64_t o = (h * M + r0 + r + i) * D;
             for (int64_t d = 0; d < std::min(DCHUNK, D - d0); ++d) out[o + d0 + d] = static_cast<T>(y[i * DCHUNK + d] / l[i]);

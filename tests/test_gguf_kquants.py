@@ -142,8 +142,8 @@ def test_kquant_cpu_product(fmt):
 
 
 @pytest.mark.parametrize("level,needs,flags", [
-    ("AVX2", "avx512f", "-mno-avx512f"),                           # an AVX-512 machine builds the AVX2 path
-    ("portable", "avx2", "-mno-avx512f -mno-avx2 -mno-fma"),       # and every x86 machine the portable loops
+    ("AVX2", "avx512f", "-mno-avx512f"),                               # an AVX-512 machine builds the AVX2 path
+    ("portable", "avx2", "-mno-avx512f -mno-avx -mno-avx2 -mno-fma"),  # every x86 machine the portable loops
 ])
 def test_kquant_cpu_product_other_instruction_sets_subprocess(level, needs, flags):
     """The product above ran the path this machine's build picks; the same test in a process whose build
