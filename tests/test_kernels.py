@@ -760,19 +760,19 @@ def test_gguf_linear_triton_matches_reference(interpreted, fmt):
 @pytest.mark.parametrize("fmt", GGUF_32_FORMATS)
 def test_gguf_cpu_product_matches_the_weights(fmt):
     """gguf_cpu.cpp's product (built here: this machine has Inductor's compiler) against the float64
-    product with gguf-py's weights, for 1..16 rows (groups of 4 and the rest) and odd output counts;
-    a weight that does not fit x is refused."""
+    product with gguf-py's weights, for 1..16 rows (groups of 4 and the rest), odd output counts and 10
+    blocks a row (the AVX2 path converts the scales 8 blocks at a time); a weight that does not fit x is refused."""
     from specc.kernels.cpu_kernels import load_cpu_kernel, load_error
     from specc.kernels.gguf_linear import FORMATS, split_blocks
 
     assert load_cpu_kernel(), load_error()
-    raw, want = gguf_weight(fmt, N=37, K=96, seed=7)
+    raw, want = gguf_weight(fmt, N=37, K=320, seed=7)
     qs, d, m = split_blocks(raw, fmt)
     code = FORMATS.index(fmt)
-    x16 = torch.randn(1, 16, 96, generator=gen(16))
+    x16 = torch.randn(1, 16, 320, generator=gen(16))
     all16 = torch.ops.specc_cpu.gguf_matvec(x16, qs, d, m, code)
     for rows in (1, 2, 3, 4, 5, 7, 16):
-        x = torch.randn(1, rows, 96, generator=gen(rows))
+        x = torch.randn(1, rows, 320, generator=gen(rows))
         out = torch.ops.specc_cpu.gguf_matvec(x, qs, d, m, code)
         assert out.shape == (1, rows, 37)
         torch.testing.assert_close(out.double(), x.double() @ want.double().T, atol=2e-5, rtol=1e-6)
