@@ -197,17 +197,24 @@ inline Lanes sum_lanes(const Lanes* p) {
 template <int R>
 inline void score_block(const float* __restrict q, int64_t Dp, const float* __restrict kb, int64_t nj,
                         float* __restrict s, int64_t s_stride) {
+  // J keys at a time, so that a one-row call keeps several independent sums in flight (a key's sum over
+  // c is a chain of dependent multiply-adds)
+  constexpr int64_t J = R == 1 ? 4 : R == 2 ? 2 : 1;
   Lanes part[R][KEYS];
-  for (int64_t j = 0; j < KEYS; ++j) {
-    Lanes acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = zero_lanes();
-    if (j < nj)
-      for (int64_t c = 0; c < Dp; c += KEYS) {
-        const Lanes kc = load_lanes(kb + j * Dp + c);
-        for (int r = 0; r < R; ++r) acc[r] = madd(acc[r], load_lanes(q + r * Dp + c), kc);
-      }
+  for (int64_t j0 = 0; j0 < KEYS; j0 += J) {
+    Lanes acc[R][J];
     for (int r = 0; r < R; ++r)
-      for (int64_t i = 0; i < PIECES; ++i) part[r][j].p[i] = acc[r].p[i];
+      for (int64_t jj = 0; jj < J; ++jj) acc[r][jj] = zero_lanes();
+    if (j0 < nj)
+      for (int64_t c = 0; c < Dp; c += KEYS)
+        for (int64_t jj = 0; jj < J; ++jj) {
+          // keys past nj: rows of zeros or stale values whose sums are never stored
+          const Lanes kc = j0 + jj < nj ? load_lanes(kb + (j0 + jj) * Dp + c) : zero_lanes();
+          for (int r = 0; r < R; ++r) acc[r][jj] = madd(acc[r][jj], load_lanes(q + r * Dp + c), kc);
+        }
+    for (int r = 0; r < R; ++r)
+      for (int64_t jj = 0; jj < J; ++jj)
+        for (int64_t i = 0; i < PIECES; ++i) part[r][j0 + jj].p[i] = acc[r][jj].p[i];
   }
   for (int r = 0; r < R; ++r) {
     store_lanes(s + r * s_stride, sum_lanes(part[r]));
