@@ -277,7 +277,8 @@ void attend(const T* q, const T* k, const T* v, const T* mask, T* out, int64_t K
   // rows per task: up to 16 (sharing each key's load), fewer where that leaves threads idle (a plain step
   // of a model with 3 kv heads has 3 rows per head: 3 tasks would keep one of 2 threads waiting a third)
   const int64_t want_tasks = 4 * static_cast<int64_t>(at::get_num_threads());
-  const int64_t rows_per_task = std::max<int64_t>(1, std::min(MAX_ROWS_PER_TASK, (KV * M) / want_tasks));
+  int64_t rows_per_task = std::max<int64_t>(1, std::min(MAX_ROWS_PER_TASK, (KV * M) / want_tasks));
+  if (rows_per_task > 4) rows_per_task -= rows_per_task % 4;  // whole groups of 4 rows sharing key loads
   const int64_t groups = (M + rows_per_task - 1) / rows_per_task;
   const int64_t blocks = (n + KEYS - 1) / KEYS, width = blocks * KEYS;
   const int64_t Dk = (D + KEYS - 1) / KEYS * KEYS;        // query and key rows padded with zeros to whole vectors
