@@ -119,9 +119,9 @@ void dot_rows(const float* x, int64_t K, const uint8_t* q, const c10::Half* d, c
   // d * c is exact in float32 and the add is the one rounding (Q4_0: fma(d, c, -8d) = d * (c - 8), exact;
   // Q5_0 likewise with -16d). Measured against picking each weight from the block's 16 as two 8-lane
   // halves (two permutes and a blend per 8 codes): 1.2-1.7x faster at one row on an AVX2 EPYC (Zen 3).
-  // The codes come out of the 16 bytes by two in-lane byte shuffles (not widening loads, which cross
-  // lanes), and the scales are converted 8 blocks at a time: with both, a decode step's products of
-  // SmolLM2 in Q4_1 took 8.8 ms where they took 11.0 (median of 21 paired runs, Zen 3).
+  // At one row the codes come out of the 16 bytes by two in-lane byte shuffles (not widening loads,
+  // which cross lanes), and the scales are converted 8 blocks at a time: with both, a decode step's
+  // products of SmolLM2 in Q4_1 took 8.8 ms where they took 11.0 (median of 21 paired runs, Zen 3).
   __m256 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
@@ -133,9 +133,14 @@ void dot_rows(const float* x, int64_t K, const uint8_t* q, const c10::Half* d, c
   const __m256i bytes8_15 = _mm256_add_epi32(bytes0_7, _mm256_set1_epi32(8));  // -1 bytes stay negative
   const __m256i low4 = _mm256_set1_epi32(15);
   float dm[2][8];  // d (and m) of the next 8 blocks as float32, converted 8 at a time
+  // Only for one row of 4- and 5-bit blocks: with more rows the sums leave too few registers for the
+  // shuffles' constants, and Q8_0 has no codes to unpack; there the scales are converted one by one and
+  // the codes widened by loads (paired on Zen 3, bench_gguf_isa.py: faster that way from 2 rows, and for
+  // Q8_0 at any row count).
+  constexpr bool few_rows = R == 1 && F != Q8_0;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* qb = q + b * qbytes;
-    if (b % 8 == 0) {
+    if (few_rows && b % 8 == 0) {
       const int64_t n8 = std::min<int64_t>(8, nb - b);
       if (n8 == 8) {
         _mm256_storeu_ps(dm[0], _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b))));
@@ -148,7 +153,7 @@ void dot_rows(const float* x, int64_t K, const uint8_t* q, const c10::Half* d, c
         }
       }
     }
-    const __m256 dv = _mm256_broadcast_ss(&dm[0][b % 8]);
+    const __m256 dv = few_rows ? _mm256_broadcast_ss(&dm[0][b % 8]) : _mm256_set1_ps(to_float(d[b]));
     __m256 wv[4];  // the block's weights of values 0-7, 8-15, 16-23, 24-31
     if constexpr (F == Q8_0) {
       for (int j = 0; j < 4; ++j) {
@@ -156,13 +161,26 @@ void dot_rows(const float* x, int64_t K, const uint8_t* q, const c10::Half* d, c
         wv[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), dv);
       }
     } else {
-      const __m256 mv = has_min<F>() ? _mm256_broadcast_ss(&dm[1][b % 8])
-                                     : _mm256_mul_ps(dv, _mm256_set1_ps(F == Q5_0 ? -16.0f : -8.0f));
-      const __m256i raw = _mm256_broadcastsi128_si256(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb + (five_bit<F>() ? 4 : 0))));
-      const __m256i lo = _mm256_shuffle_epi8(raw, bytes0_7), hi = _mm256_shuffle_epi8(raw, bytes8_15);
-      __m256i code[4] = {_mm256_and_si256(lo, low4), _mm256_and_si256(hi, low4), _mm256_srli_epi32(lo, 4),
-                         _mm256_srli_epi32(hi, 4)};
+      const __m256 mv = !has_min<F>() ? _mm256_mul_ps(dv, _mm256_set1_ps(F == Q5_0 ? -16.0f : -8.0f))
+                        : few_rows    ? _mm256_broadcast_ss(&dm[1][b % 8])
+                                      : _mm256_set1_ps(to_float(m[b]));
+      const uint8_t* codes = qb + (five_bit<F>() ? 4 : 0);
+      __m256i code[4];
+      if constexpr (few_rows) {
+        const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+        const __m256i lo = _mm256_shuffle_epi8(raw, bytes0_7), hi = _mm256_shuffle_epi8(raw, bytes8_15);
+        code[0] = _mm256_and_si256(lo, low4);
+        code[1] = _mm256_and_si256(hi, low4);
+        code[2] = _mm256_srli_epi32(lo, 4);
+        code[3] = _mm256_srli_epi32(hi, 4);
+      } else {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)), nib = _mm_set1_epi8(15);
+        const __m128i lo = _mm_and_si128(raw, nib), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nib);
+        code[0] = _mm256_cvtepu8_epi32(lo);
+        code[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+        code[2] = _mm256_cvtepu8_epi32(hi);
+        code[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+      }
       for (int j = 0; j < 4; ++j) {
         if constexpr (five_bit<F>()) {  // value 8j + lane's fifth bit, from qh
           const __m256i shift = _mm256_setr_epi32(8 * j, 8 * j + 1, 8 * j + 2, 8 * j + 3, 8 * j + 4, 8 * j + 5,
