@@ -89,9 +89,9 @@ inline void to_floats(const T* __restrict src, float* __restrict dst, int64_t n)
 }
 
 // Sixteen float32 lanes, held as the machine's own vectors (GCC's and Clang's vector extension): one
-// AVX-512 register, two AVX ones, four SSE or NEON ones. A vector type wider than the machine's is
-// compiled lane by lane through memory (measured on an AVX2 EPYC: 3x slower than scalar code), hence the
-// pieces. Each lane is its own value: +, * and madd act lane by lane, rounded as scalar code rounds.
+// AVX-512 register, two AVX ones, four SSE or NEON ones. GCC compiles a vector type wider than the
+// machine's lane by lane through memory (one 16-float type made this kernel 5-7x slower on an AVX2
+// EPYC), hence the pieces. Each lane is its own value: +, * and madd act lane by lane, rounded as scalar code rounds.
 #if defined(__AVX512F__)
 constexpr int64_t NATIVE = 16;
 #elif defined(__AVX__)

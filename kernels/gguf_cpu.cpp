@@ -120,8 +120,8 @@ void dot_rows(const float* x, int64_t K, const uint8_t* q, const c10::Half* d, c
   // Q5_0 likewise with -16d). Measured against picking each weight from the block's 16 as two 8-lane
   // halves (two permutes and a blend per 8 codes): 1.2-1.7x faster at one row on an AVX2 EPYC (Zen 3).
   // At one row the codes come out of the 16 bytes by two in-lane byte shuffles (not widening loads,
-  // which cross lanes), and the scales are converted 8 blocks at a time: with both, a decode step's
-  // products of SmolLM2 in Q4_1 took 8.8 ms where they took 11.0 (median of 21 paired runs, Zen 3).
+  // which cross lanes), and the scales are converted 8 blocks at a time (Q4_1 gate/up at one row:
+  // 0.12-0.16 ms against 0.19-0.20, bench_gguf_isa.py, Zen 3).
   __m256 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
