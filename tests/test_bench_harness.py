@@ -215,3 +215,29 @@ def test_no_example_measures_outside_the_harness():
     assert offenders == []
     timed = [s.name for s in scripts if s.name.startswith("bench_") or "--rounds" in s.read_text()]
     assert [name for name in timed if "harness" not in (EXAMPLES / name).read_text()] == []
+
+
+def test_llama_cpp_compare_reads_both_llama_cpp_timing_lines(tmp_path):
+    """examples/llama_cpp_compare.py's llama.cpp arms read llama-completion's "eval time" line and
+    llama-lookup's "decoded ... tokens in ... seconds" line (as those binaries print them; a stand-in
+    binary prints them here), pass the draft count to llama-lookup, and refuse a run that prints no
+    timing in one sentence."""
+    import importlib.util
+    import stat
+
+    spec = importlib.util.spec_from_file_location("llama_cpp_compare", EXAMPLES / "llama_cpp_compare.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    fake = tmp_path / "llama-lookup"
+    fake.write_text("#!/bin/sh\n"
+                    "case \"$*\" in\n"
+                    "  *--spec-draft-n-max\\ 8*) echo '0.01.9 I decoded   65 tokens in    1.300 seconds, speed: 50.0 t/s' >&2;;\n"
+                    "  *-no-cnv*) echo 'common_perf_print:        eval time =     500.00 ms /    50 runs   (10 ms per "
+                    "token)' >&2;;\n"
+                    "  *) echo 'nothing timed' >&2;;\n"
+                    "esac\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    assert mod.llama_decode(fake, tmp_path / "m.gguf", "hi", 64) == pytest.approx(100.0)
+    assert mod.llama_decode(fake, tmp_path / "m.gguf", "hi", 64, drafts=8) == pytest.approx(50.0)
+    with pytest.raises(mod.SpeccError, match="llama-lookup failed"):
+        mod.llama_decode(fake, tmp_path / "m.gguf", "hi", 64, drafts=3)

@@ -3,7 +3,8 @@ the reference decodes random super-blocks bit for bit as gguf-py does; the torch
 product (AVX2 and portable builds) and the Triton kernel (interpreted) compute it, each row's bits
 independent of the rows beside it; read_gguf_blocks reads a tiny Q4_K_M-style llama file (Q4_K
 beside a Q6_K attn_v and ffn_down), whose fused products mix formats, into blocks that decode to
-gguf-py's weights, round-trip through an engine's file and compute the float model."""
+gguf-py's weights, round-trip through an engine's file and compute the float model; an engine
+compiled from such a file samples its model's exact distribution."""
 from __future__ import annotations
 
 import os
@@ -244,21 +245,35 @@ def tensor_formats() -> dict[str, str]:
     return out
 
 
-def tensor_shape(name: str) -> tuple[int, int]:
+def tensor_shape(name: str, vocab: int = VOCAB) -> tuple[int, int]:
     head_dim = HIDDEN // HEADS
     part = name.split(".")[-2]
     kv = KV_HEADS * head_dim
     return {"attn_q": (HIDDEN, HIDDEN), "attn_k": (kv, HIDDEN), "attn_v": (kv, HIDDEN),
             "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTER, HIDDEN), "ffn_up": (INTER, HIDDEN),
-            "ffn_down": (HIDDEN, INTER), "output": (VOCAB, HIDDEN)}[part]
+            "ffn_down": (HIDDEN, INTER), "output": (vocab, HIDDEN)}[part]
 
 
-def write_gguf(path: Path, formats: dict[str, str], bad: str | None = None) -> dict[str, torch.Tensor]:
+def write_gguf(path: Path, formats: dict[str, str], bad: str | None = None, vocab: int = VOCAB,
+               tokenizer: bool = False, head_scale: float = 1e-4) -> dict[str, torch.Tensor]:
     """A tiny llama GGUF of random super-blocks (scales small enough for a sane forward), F32 norms and a
-    Q8_0 embedding; returns each product tensor's raw bytes. `bad`: a tensor written as if 320 wide."""
+    Q8_0 embedding; returns each product tensor's raw bytes. `bad`: a tensor written as if 320 wide.
+    `tokenizer`: with a vocabulary of `vocab` pieces in the file, as llama.cpp's tools write one (what
+    transformers needs to load the file, and so `specc compile` too); `head_scale`: the output's
+    scales (larger: a peakier next-token distribution)."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), "llama")
+    if tokenizer:
+        pieces = ["<unk>", "<s>", "</s>"] + [f"\u2581{chr(97 + i)}" for i in range(vocab - 3)]
+        w.add_vocab_size(vocab)
+        w.add_tokenizer_model("llama")
+        w.add_token_list(pieces)
+        w.add_token_scores([0.0] * 3 + [-float(i) for i in range(vocab - 3)])
+        w.add_token_types([2, 3, 3] + [1] * (vocab - 3))  # unknown, control x 2, normal
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
     w.add_context_length(128)
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(INTER)
@@ -266,14 +281,15 @@ def write_gguf(path: Path, formats: dict[str, str], bad: str | None = None) -> d
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(1e-5)
-    emb = torch.randn(VOCAB, HIDDEN, generator=gen(9)).numpy() * 0.02
+    emb = torch.randn(vocab, HIDDEN, generator=gen(9)).numpy() * 0.02
     w.add_tensor("token_embd.weight", gguf.quants.quantize(emb, gguf.GGMLQuantizationType.Q8_0),
                  raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
     raws = {}
     for seed, (name, fmt) in enumerate(formats.items()):
-        N, Kin = tensor_shape(name)
-        raw = random_blocks(fmt, N, Kin // 256, seed=100 + seed, scale=1e-4 if fmt == "Q6_K" else 4e-4)
+        N, Kin = tensor_shape(name, vocab)
+        scale = head_scale if name == "output.weight" else 1e-4 if fmt == "Q6_K" else 4e-4
+        raw = random_blocks(fmt, N, Kin // 256, seed=100 + seed, scale=scale)
         raws[name] = raw
         if name == bad:  # bytes of 1.25 super-blocks a row, claimed to be 320 values
             w.add_tensor(name, raw[:, :BLOCK_BYTES[fmt] * 5 // 4].numpy().view(np.int8), raw_shape=(N, 320),
@@ -376,3 +392,39 @@ def test_read_gguf_blocks_mixes_formats_in_fused_products(tmp_path):
     write_gguf(tmp_path / "bad.gguf", formats, bad=bad)
     with pytest.raises(SpeccError, match="is not a GGUF file that --quant gguf can read: .*Q4_K block size"):
         read_gguf_blocks(tmp_path / "bad.gguf", model.config)
+
+
+def test_kquant_engine_samples_the_files_distribution(tmp_path):
+    """The statistical test of tests/test_sampling.py on an engine compiled from a Q4_K_M-style file
+    (--quant gguf keeps its Q4_K / Q6_K super-blocks; a float draft model drafts): speculative samples
+    follow the exact distribution of the float model transformers loads from the file, and (the
+    negative control) not the distribution of that model at another temperature."""
+    import specc
+    from transformers import AutoModelForCausalLM
+
+    from test_sampling import NEW, PROMPT, RUNS, V, exact_distribution, g_test
+
+    write_gguf(tmp_path / "tiny.gguf", tensor_formats(), vocab=V, tokenizer=True, head_scale=4e-4)
+    tiny_model("llama", vocab=V, layers=1, seed=1, scale=4.0).save_pretrained(tmp_path / "draft")
+    engine = specc.load(specc.compile(tmp_path / "tiny.gguf", drafter="draft-model", drafter_path=tmp_path / "draft",
+                                      tree="chain:3", quant="gguf", output_dir=tmp_path / "e", max_len=32,
+                                      prefill_chunk=4, progress=False, modes="sample"))
+    kept = {name: [g[0] for g in (spec if isinstance(spec, list) else [spec])]
+            for name, spec in engine_blocks(tmp_path / "e").items()}
+    assert kept["w_head"] == ["Q6_K"] and kept["blocks.0.wqkv"] == ["Q4_K", "Q6_K"] and kept["blocks.1.w_down"] == ["Q4_K"]
+    samples, steps = [], 0
+    for seed in range(RUNS):
+        r = engine.generate(PROMPT, max_new_tokens=NEW, temperature=1.0, seed=seed, stop_at_eos=False)
+        samples.append(tuple(r.token_ids))
+        steps += r.stats.steps
+    assert steps < RUNS * (NEW - 1)  # drafts were accepted: the verify ran
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    p = g_test(samples, exact_distribution(ref, 1.0))
+    assert p > 1e-3, f"K-quant speculative samples differ from the file's model (p={p:.2e})"
+    assert g_test(samples, exact_distribution(ref, 0.7)) < 1e-6  # the test can tell distributions apart
+
+
+def engine_blocks(engine_dir: Path) -> dict:
+    from specc.quant import GGUF_FILE, load_blocks
+
+    return load_blocks(engine_dir / "target" / GGUF_FILE).blocks
