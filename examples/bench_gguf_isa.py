@@ -1,6 +1,6 @@
 """specc's quantized CPU products per instruction set (AVX-512, AVX2, portable builds), beside PyTorch's own.
 
-    python examples/bench_gguf_isa.py [--formats Q4_1,Q4_0,Q8_0,int8] [--rows 1,2,4,8,16]
+    python examples/bench_gguf_isa.py [--formats Q4_1,Q4_0,Q8_0,int8,Q6_K] [--rows 1,2,4,8,16]
         [--builds AVX-512,AVX2,...] [--calls 20] [--rounds 3] [--json] [--write BENCHMARKS.md]
 
 specc's C++ products are built for the machine that loads them; a CPU without AVX-512 gets the AVX2
@@ -10,6 +10,8 @@ each in a process of its own (one build per process, ATen's own kernels dispatch
 instruction set with ATEN_CPU_CAPABILITY), and times specc's product on SmolLM2-135M's product shapes
 (random weights: the fused q/k/v 960x576, gate/up 3072x576, down 576x1536, LM head 49152x576) at each
 row count: `specc_cpu::gguf_matvec` for the GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1),
+`specc_cpu::gguf_kquant_matvec` for the K-quants' super-blocks (Q4_K, Q5_K, Q6_K; on the shapes whose
+rows are whole 256-value super-blocks: SmolLM2's down projection),
 `specc_cpu::dense_matvec` for int8 rows; beside it PyTorch's maintained kernel for the same weights
 where one exists (int8: aten._weight_int8pack_mm; Q4_0 / Q4_1: aten._weight_int4pack_mm_for_cpu) and
 whether that kernel gives a row the same bits at every row count (what a lossless verify needs).
@@ -34,11 +36,15 @@ BUILDS = {  # name -> (the cpuinfo flag it needs, the flags that leave the wider
     "portable": ("sse2", "-mno-avx512f -mno-avx2 -mno-fma", "default"),
 }
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}
+SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # K-quants: super-blocks of 256 weights
+SUPER_HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # where their float16 scales sit
 
 
 def _bytes(fmt: str, N: int, K: int) -> int:
     """The weight's bytes in this format (what a one-row product reads)."""
-    return N * K + 4 * N if fmt == "int8" else N * K // 32 * BLOCK_BYTES[fmt]
+    if fmt == "int8":
+        return N * K + 4 * N
+    return N * K // 256 * SUPER_BYTES[fmt] if fmt in SUPER_BYTES else N * K // 32 * BLOCK_BYTES[fmt]
 
 
 def _aten_int4(qs, d, m, fmt: str):
@@ -67,6 +73,12 @@ def products(fmt: str, N: int, K: int, g):
         scale = torch.rand(N, generator=g) * 0.01
         return (lambda x: torch.ops.specc_cpu.dense_matvec(x, w) * scale,
                 lambda x: torch.ops.aten._weight_int8pack_mm(x, w, scale), _bytes(fmt, N, K))
+    if fmt in SUPER_BYTES:  # random bytes are valid super-blocks once their float16 scales are small and finite
+        qs = torch.randint(0, 256, (N, K // 256, SUPER_BYTES[fmt]), generator=g, dtype=torch.uint8)
+        for at in SUPER_HALVES[fmt]:
+            qs[..., at:at + 2] = (torch.rand(N, K // 256, generator=g) * 1e-3).half().view(torch.uint8).reshape(N, -1, 2)
+        code = FORMATS.index(fmt)
+        return (lambda x: torch.ops.specc_cpu.gguf_kquant_matvec(x, qs, code)), None, _bytes(fmt, N, K)
     nb = K // 32
     code_bytes = {"Q8_0": 32, "Q5_0": 20, "Q5_1": 20}.get(fmt, 16)  # 5-bit: qh's 4 bytes, then the codes
     qs = torch.randint(-128 if fmt == "Q8_0" else 0, 128 if fmt == "Q8_0" else 256, (N, nb, code_bytes),
@@ -91,6 +103,8 @@ def worker(formats: list[str], rows: list[int], calls: int) -> dict:
     out = {}
     for fmt in formats:
         for shape, (N, K) in SHAPES.items():
+            if fmt in SUPER_BYTES and K % 256:
+                continue  # a K-quant row is whole super-blocks (llama.cpp's tools write such rows in another format)
             ours, aten, _ = products(fmt, N, K, g)
             xs = torch.randn(max(rows), K, generator=g)
             one = aten(xs[:1]) if aten is not None else None
@@ -130,6 +144,10 @@ def main() -> int:
     if args.worker:
         print(json.dumps(worker(args.formats, args.rows, args.calls)))
         return 0
+    formats = ["int8", *BLOCK_BYTES, *SUPER_BYTES]
+    odd = [f for f in args.formats if f not in formats]
+    if odd:
+        raise SystemExit(f"unknown format {odd[0]!r}; the formats are: {', '.join(formats)}.")
     flags = Path("/proc/cpuinfo").read_text(errors="ignore").split()
     unknown = [b for b in args.builds if b not in BUILDS]
     if unknown:

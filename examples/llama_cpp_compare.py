@@ -151,7 +151,9 @@ def main() -> int:
             best_l = max((w for w in med if w.startswith("llama.cpp")), key=med.get)
             line += "".join(f" {w} {med[w]:.1f}" + (f" (tau {sum(taus) / len(taus):.2f})" if w == "specc speculative"
                                                     else "") + "." for w in med if w not in ("specc", "llama.cpp"))
-            line += (f" Best against best: {best_s} / {best_l} = {med[best_s] / med[best_l]:.2f}x"
+            plain = {"specc": "specc plain", "llama.cpp": "llama.cpp plain"}
+            line += (f" Best against best: {plain.get(best_s, best_s)} / {plain.get(best_l, best_l)} = "
+                     f"{med[best_s] / med[best_l]:.2f}x"
                      f"{'; the speculative tokens were the plain ones on every prompt' if spec else ''}.")
         lines += [line, ""]
         for who in med:
