@@ -111,7 +111,7 @@ template <int64_t F, int R>
 void dot_rows(const float* x, int64_t K, const uint8_t* q, const c10::Half* d, const c10::Half* m, int64_t nb,
               float* out, int64_t N, float* kept = nullptr) {
   constexpr int64_t qbytes = code_bytes<F>();
-  (void)kept;  // the AVX2 path's
+  (void)kept;  // only the AVX2 path keeps weights
 #if defined(__AVX512F__) && !defined(SPECC_GGUF_PORTABLE)  // the macro: the portable loops, for comparison
   __m512 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
@@ -284,7 +284,7 @@ void matvec(const float* x, int64_t M, int64_t K, const uint8_t* q, const c10::H
   constexpr int64_t qbytes = code_bytes<F>();
   // Threads split the output rows; each weight row is read once for every input row (4 at a time). AVX2,
   // past 4 rows: the first 4 keep the row's weights (K floats, in L1) and the others run over them, so the
-  // blocks are decoded once (a tree's verify of 5 rows decoded them twice: 2.7x a row's time for Q4_1).
+  // blocks are decoded once (Q4_1 gate/up at 8 rows: 0.58 against 0.91 ms; at 5 rows within the noise).
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
 #if SPECC_GGUF_AVX2
     std::vector<float> kept(M > 4 ? K : 0);
