@@ -97,6 +97,8 @@ def main() -> int:
     ap.add_argument("--model", default=None,
                     help="the model's name in the figures (default: the engine's target name, the file's stem)")
     args = ap.parse_args()
+    if args.lookup < 0:
+        raise SpeccError(f"--lookup takes a number of drafts a step, 0 or more (got {args.lookup}).")
     build = build_llama_cpp(Path(args.build)) if args.build else Path(args.llama_cpp)
     binary, lookup = build / "bin" / "llama-completion", build / "bin" / "llama-lookup"
     for exe in [binary] + ([lookup] if args.lookup else []):
@@ -149,8 +151,10 @@ def main() -> int:
         if len(arms) > 2:
             best_s = max((w for w in med if w.startswith("specc")), key=med.get)
             best_l = max((w for w in med if w.startswith("llama.cpp")), key=med.get)
-            line += "".join(f" {w} {med[w]:.1f}" + (f" (tau {sum(taus) / len(taus):.2f})" if w == "specc speculative"
-                                                    else "") + "." for w in med if w not in ("specc", "llama.cpp"))
+            if spec is not None:
+                line += f" specc speculative {med['specc speculative']:.1f} (tau {sum(taus) / len(taus):.2f})."
+            if args.lookup:
+                line += f" llama.cpp lookup {med['llama.cpp lookup']:.1f}."
             plain = {"specc": "specc plain", "llama.cpp": "llama.cpp plain"}
             line += (f" Best against best: {plain.get(best_s, best_s)} / {plain.get(best_l, best_l)} = "
                      f"{med[best_s] / med[best_l]:.2f}x"

@@ -51,7 +51,8 @@ inline uint32_t fifth_bits(const uint8_t* qb) {
 
 // For each byte of a 5-bit block's fifth bits, the 8 values' bits as 32-bit lanes of 16 or 0: one load
 // (fused into the or) sets 8 codes' fifth bits, where shifting each lane's bit into place took four
-// operations (the AVX2 path; 8 KB, read from L1; a step's Q5_0 products 3% faster, paired on Zen 3).
+// operations (the AVX2 path; 8 KB, read from L1; a few percent faster on Zen 3: BENCHMARKS.md, "GGUF
+// products on AVX2").
 struct FifthBitLanes {
   alignas(32) int32_t lanes[256][8];
   constexpr FifthBitLanes() : lanes() {

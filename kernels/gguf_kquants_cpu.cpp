@@ -141,7 +141,8 @@ void dot_rows(const float* x, int64_t K, const uint8_t* q, int64_t nb, float* ou
   // _mm256_cvtepi32_ps and made a weight with the reference's float operations. Q5_K / Q6_K make the 32
   // codes as bytes at once (16-bit shifts, byte masks), then widen them: 16 integer operations per 32
   // Q6_K codes against 36 when each 8 were unpacked on their own (widening loads of low and high bits),
-  // 12-18% faster (paired, Zen 3); Q4_K's codes alone are widened by loads (faster there by 8%).
+  // faster on Zen 3 (BENCHMARKS.md, "GGUF products on AVX2"); Q4_K's codes alone are widened by loads
+  // (the bytes were slower there).
   __m256 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
