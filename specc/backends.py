@@ -27,6 +27,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch import nn
 
+from . import compile_clock
 from .errors import SpeccError
 from .models import cache_dir
 from .pipeline import canonical_name
@@ -292,9 +293,10 @@ def compile_inductor(ep: torch.export.ExportedProgram, state: dict[str, torch.Te
                      example_args: tuple, passes: list[tuple[str, Callable]] = ()) -> list[str]:
     """Compile to an AOTInductor package at out_path (through the compile cache), after running
     `passes` (lowering_passes) on the lifted program; returns the state keys it takes."""
-    lifted_ep, sub = lift(ep, state, example_args)
-    for _, fn in passes:
-        lifted_ep = fn(lifted_ep)
+    with compile_clock.phase("lift"):
+        lifted_ep, sub = lift(ep, state, example_args)
+        for _, fn in passes:
+            lifted_ep = fn(lifted_ep)
     keys = list(sub)
     key = cache_key(lifted_ep, sub, example_args)
     cached = cache_dir() / "aoti" / f"{key}.pt2"
@@ -303,11 +305,13 @@ def compile_inductor(ep: torch.export.ExportedProgram, state: dict[str, torch.Te
     # (two engines of one model built side by side) waits for the first and takes its package.
     with open(cached.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        compile_clock.mark_cached(cached.is_file())
         if not cached.is_file():
             tmp = cached.with_suffix(f".tmp{os.getpid()}.pt2")
             try:
-                torch._inductor.aoti_compile_and_package(lifted_ep, package_path=str(tmp),
-                                                         inductor_configs=dict(inductor_configs()))  # torch adds to it
+                with compile_clock.inductor_phases():
+                    torch._inductor.aoti_compile_and_package(lifted_ep, package_path=str(tmp),
+                                                             inductor_configs=dict(inductor_configs()))  # torch adds to it
                 tmp.replace(cached)
             finally:
                 tmp.unlink(missing_ok=True)

@@ -43,7 +43,8 @@ def cmd_compile(a) -> int:
         d = m.to_json()
         print(json.dumps({"engine": str(out), "backend": a.backend, "drafter": m.drafter, "tree": m.tree["spec"],
                           "tree_report": {k: v for k, v in m.tree.items() if k not in ("parents", "depths")},
-                          "graphs": d["graphs"], "adaptive": m.adaptive, "quant": d["quant"]}))
+                          "graphs": d["graphs"], "adaptive": m.adaptive, "quant": d["quant"],
+                          "compile_split": m.compile_split}))
     else:
         print(f"compiled {m.target.name} with drafter {a.drafter}, tree {m.tree['spec']} "
               f"({len(m.tree['paths'])} nodes), backend {a.backend} on {m.device} -> {out}")
@@ -240,7 +241,8 @@ def print_engine(engine: str, m, tree) -> None:
         rows = "one row" if setting == "one_row" else "5+ rows" if "from_rows" not in r else ", ".join(
             f"{n}+ rows of {k} inputs" for k, n in r["from_rows"].items())  # engines before the widths: 5+
         print(f"products    float32 at {rows}: {r['product']}, timed at compile ({r['graph']} "
-              + ", ".join(f"{k} {v:.1f} ms" for k, v in r["ms"].items()) + ")")
+              + ", ".join(f"{k} {v:.1f} ms" for k, v in r["ms"].items())
+              + ("; timed by an earlier compile on this machine" if r.get("timed_before") else "") + ")")
     print(f"modes       {', '.join(m.modes)} (one graph per mode for each graph that samples)")
     q, b = m.quant, m.quant.bytes_per_token
     if b:
@@ -250,6 +252,10 @@ def print_engine(engine: str, m, tree) -> None:
         print("adaptive    per step, the step graph with the most expected tokens per second:")
         for line in adaptive_lines(m.adaptive):
             print("            " + line)
+    if m.compile_split:
+        from .compiler import split_line
+
+        print(f"compile     {split_line(m.compile_split)}")
     print(f"versions    specc {m.specc_version}, torch {m.torch_version}, transformers {m.transformers_version}")
     print(f"files       {len(m.files)} (sha256 recorded)")
 

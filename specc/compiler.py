@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from specc.kernels.rows_linear import kernel_choice
 
-from . import __version__, adaptive, calibrate, products
+from . import __version__, adaptive, calibrate, compile_clock, products
 from .backends import check_device, get_backend, lower_graph, move_states, open_graph
 from .config import CompileConfig
 from .drafters import get_kind
@@ -77,16 +77,25 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
     cfg = config if config is not None else CompileConfig(model=model, **options)
     if config is not None and (model is not None or options):
         cfg = replace(config, **({"model": model} if model is not None else {}), **options)
+    with compile_clock.clocked() as clock:
+        return compile_engine(cfg, clock)
+
+
+def compile_engine(cfg: CompileConfig, clock: compile_clock.CompileClock) -> Path:
+    """The compile of `cfg`, its phases timed on `clock` (the manifest's compile_split)."""
     kind, out = get_kind(cfg.drafter), Path(cfg.output_dir)
-    target = load_model(cfg.model, cfg.torch_dtype)
+    with compile_clock.phase("load"):
+        target = load_model(cfg.model, cfg.torch_dtype)
     window = sliding_window_limit(target.model.config)
     if window is not None and cfg.max_len > window:
         raise SpeccError(f"the model uses sliding-window attention of {window} tokens; use --max-len {window} or less.")
-    weights = kind.load(cfg, target.model, target.tokenizer)
+    with compile_clock.phase("load"):
+        weights = kind.load(cfg, target.model, target.tokenizer)
     tree, report = cfg.parsed_tree, None
     if cfg.measured_tree:
         cfg = replace(cfg, **kind.calibration_options(cfg, weights))
-        tree, report, picked = measure_tree(cfg, kind.calibration_depth(cfg, weights))
+        with compile_clock.phase("tree"):  # calibration's compiles keep clocks of their own
+            tree, report, picked = measure_tree(cfg, kind.calibration_depth(cfg, weights))
         if picked is not None and not cfg.adaptive:  # auto compiled the winner on this backend already: keep it
             return install_picked(picked, out, cfg.tree_spec, report)
         if picked is not None:  # an adaptive engine adds the family to the winner's tree: compiled below
@@ -109,38 +118,63 @@ def compile(model=None, config: CompileConfig | None = None, **options) -> Path:
         build_device = "cpu" if get_backend(cfg.backend).built_later else cfg.device
         states = move_states(modules.states(), build_device)
         built, graphs, timed = {}, {}, None
-        if products.applies(cfg, weight_bytes(modules.target), cpu_kernels_used(cfg)):
+        timing = products.applies(cfg, weight_bytes(modules.target), cpu_kernels_used(cfg))
+        # one bar over every lowering: the graphs, and before them the products' timing graphs (two per setting)
+        bar = tqdm(total=len(plans) + (2 * len(products.timed_plans(plans, products.weight_widths(states["target"])))
+                                       if timing else 0),
+                   desc=f"compile ({cfg.backend})", unit="graph", disable=not cfg.progress)
+        if timing:
             # the few-row products from timing the plain and the step graph both ways (specc/products.py)
-            timed = products.measure_all(plans, modules.by_name(), tree, states["target"], build_device, cfg.progress)
-        bar = tqdm(plans, desc=f"compile ({cfg.backend})", unit="graph", disable=not cfg.progress)
+            with compile_clock.remainder("products"):
+                timed = products.measure_all(plans, modules.by_name(), tree, states["target"], build_device,
+                                             cfg.progress, bar)
         seconds = {}  # per graph, capture to lowered: the manifest's compile_s
         with kernel_choice(**products.as_choice(timed)):
-            for plan in bar:
+            for plan in plans:
                 bar.set_postfix_str(plan.name)
                 t0 = time.perf_counter()
-                ep = built[plan.name] = build_program(plan, modules.by_name(), built, tree,
-                                                      Path(cfg.dump_ir) if cfg.dump_ir else None)
-                args = example_inputs(ep)
+                with compile_clock.building(plan.name):
+                    with compile_clock.phase("capture"):
+                        ep = built[plan.name] = build_program(plan, modules.by_name(), built, tree,
+                                                              Path(cfg.dump_ir) if cfg.dump_ir else None)
+                    args = example_inputs(ep)
+                    with compile_clock.remainder("lower"):
+                        lowered = lower_graph(cfg.backend, ep, states[plan.module], stage, plan.name, args,
+                                              build_device)
                 graphs[plan.name] = Graph.from_json({
                     "module": plan.module, "tokens": plan.T, "inputs": [[list(a.shape), str(a.dtype)] for a in args],
-                    "mode": plan.mode, "passes": plan.passes,
-                    **lower_graph(cfg.backend, ep, states[plan.module], stage, plan.name, args, build_device)})
+                    "mode": plan.mode, "passes": plan.passes, **lowered})
                 seconds[plan.name] = round(time.perf_counter() - t0, 2)
+                bar.update()
                 if cfg.on_graph is not None:
                     cfg.on_graph(plan.name, seconds[plan.name])
         bar.close()
         if cfg.dump_ir:  # the shared first stages were copied into each graph's dump
             shutil.rmtree(Path(cfg.dump_ir) / ".base", ignore_errors=True)
-        target.model.save_pretrained(stage / "target")
-        save_quant(quant, stage / "target")
-        if target.tokenizer is not None:
-            target.tokenizer.save_pretrained(stage / "target")
-        kind.save(weights, stage / "draft", target.model)
-        trt = tensorrt_engines(stage, out, graphs, cfg.progress) if get_backend(cfg.backend).built_later else None
+        with compile_clock.phase("save"):
+            target.model.save_pretrained(stage / "target")
+            save_quant(quant, stage / "target")
+            if target.tokenizer is not None:
+                target.tokenizer.save_pretrained(stage / "target")
+            kind.save(weights, stage / "draft", target.model)
+        with compile_clock.phase("tensorrt"):
+            trt = tensorrt_engines(stage, out, graphs, cfg.progress) if get_backend(cfg.backend).built_later else None
         manifest = make_manifest(stage, cfg, target, modules, entry, tree, report, graphs, cache_len, trt, timed,
                                  seconds)
-        write(stage, measure_engine(stage, manifest, cfg))  # the one write, once the engine is measured
+        with compile_clock.phase("measure"):
+            manifest = measure_engine(stage, manifest, cfg)
+        manifest = replace(manifest, compile_split=clock.as_json())
+        if cfg.progress:
+            print(split_line(manifest.compile_split), flush=True)
+        write(stage, manifest)  # the one write, once the engine is measured
     return out
+
+
+def split_line(split: dict) -> str:
+    """One line: the compile's seconds and its largest phases."""
+    phases = sorted(((s, p) for p, s in split["phases"].items() if s >= 0.05), reverse=True)
+    hits = f", {split['cache_hits']} of {len(split['graphs'])} graphs from the compile cache" if split["graphs"] else ""
+    return (f"compiled in {split['total_s']:.0f} s: " + ", ".join(f"{p} {s:.0f} s" for s, p in phases) + hits)
 
 
 def gguf_path(target) -> Path:

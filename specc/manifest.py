@@ -72,7 +72,7 @@ class Quant:
     bytes_per_token: dict = field(default_factory=dict)
 
 
-ABSENT_WHEN_NONE = ("products", "adaptive", "prefill_ms", "tensorrt")  # optional sections, left out when unset
+ABSENT_WHEN_NONE = ("products", "adaptive", "prefill_ms", "tensorrt", "compile_split")  # optional sections, left out when unset
 
 
 @dataclass
@@ -92,6 +92,7 @@ class Manifest:
     quant: Quant = field(default_factory=Quant)
     files: dict = field(default_factory=dict)  # path -> sha256 of every file but this one
     compile_s: dict = field(default_factory=dict)  # seconds each graph took to build
+    compile_split: dict | None = None  # where the compile's time went (specc/compile_clock.py)
     cpu_kernels: bool = False  # the graphs call specc's C++ CPU products (kernels/cpu_kernels.py)
     products: dict | None = None  # float32's few-row product choices, timed at compile (specc/products.py)
     adaptive: dict | None = None  # the family and its calibration (specc/adaptive.py)

@@ -8,12 +8,17 @@ and the whole tree's step graph (its products of many rows: more input rows than
 in cache, rows_linear.many_rows; the others keep the reduction) both ways, times each pair side by
 side and lowers every graph under the faster. The manifest's `products` holds each choice with both
 times (and, for many rows, from how many rows that is at each weight width). The plain graph matters
-most: every speedup is measured against it and an adaptive engine falls back to it. Targets too
+most: every speedup is measured against it and an adaptive engine falls back to it. A choice is kept
+in the compile cache's folder (timings_dir), keyed by the machine, torch, the kernels' code and the
+graph, so compiling the same target again on the same machine lowers each graph once. Targets too
 small for the products to show (below MIN_TIMED_BYTES of weights read per token, e.g. the tests'
 tiny models) keep the rule.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -21,8 +26,10 @@ import torch
 
 from specc.kernels.rows_linear import kernel_choice, many_rows
 
+from . import compile_clock
 from .adaptive import time_calls
 from .backends import InductorGraph, get_backend, lower_graph
+from .models import cache_dir
 from .pipeline import example_inputs
 from .plans import build_program
 
@@ -63,21 +70,28 @@ def rows_from(widths: set[int], most: int) -> dict[int, int]:
 
 
 def measure(setting: str, plan, modules: dict, tree, state: dict[str, torch.Tensor], device: str,
-            chosen: dict | None = None) -> dict:
+            chosen: dict | None = None, bar=None) -> dict:
     """Lower `plan` with the C++ product and with the reduction for `setting` ("one_row" or
     "many_rows"; the settings already `chosen` as given), time both (interleaved rounds, medians) and
     return {"product": the faster, "graph": the plan's name, "ms": both}. The program is captured
     afresh (the main loop captures it again: a few seconds, and --dump-ir's files stay whole)."""
-    ep = build_program(plan, modules, {}, tree)
+    with compile_clock.phase("capture"):
+        ep = build_program(plan, modules, {}, tree)
     args = example_inputs(ep)
     # ids and positions as zeros, temperature, top-p and uniforms as ones (as adaptive.time_family)
     args = tuple(torch.ones_like(a) if a.is_floating_point() else a for a in args)
     calls = []
     with tempfile.TemporaryDirectory(prefix="specc-products-") as tmp:
         for name, on in CHOICES.items():
-            with kernel_choice(**{**(chosen or {}), setting: on}):
-                entry = lower_graph("inductor", ep, state, Path(tmp), f"{plan.name}_{name}", args, device)
+            if bar is not None:
+                bar.set_postfix_str(f"{plan.name}, timing {name} products")
+            with kernel_choice(**{**(chosen or {}), setting: on}), \
+                    compile_clock.building(f"{plan.name} ({name} products, timed)"):
+                with compile_clock.remainder("lower"):
+                    entry = lower_graph("inductor", ep, state, Path(tmp), f"{plan.name}_{name}", args, device)
             calls.append((InductorGraph(Path(tmp) / entry["file"], state, entry["state_keys"]), args))
+            if bar is not None:
+                bar.update()
         ms = time_calls(calls, device)
     times = dict(zip(CHOICES, ms))
     out = {"product": min(times, key=times.get), "graph": plan.name, "ms": times}
@@ -86,16 +100,51 @@ def measure(setting: str, plan, modules: dict, tree, state: dict[str, torch.Tens
     return out
 
 
+def timing_key(setting: str, plan, tree, state: dict[str, torch.Tensor], chosen: dict) -> str:
+    """What a timed choice depends on: this machine (CPU, instruction sets, threads), torch and the
+    kernels' code, the graph timed (its name and rows, the tree, every weight's name and shape) and
+    the choices made before it. Not the weights' values: the products take as long whatever they hold."""
+    from .backends import kernel_sources
+    from .benchfile import cpu_model
+
+    h = hashlib.sha256()
+    for part in (setting, plan.name, str(plan.T), json.dumps(tree.parents), json.dumps(sorted(chosen.items())),
+                 cpu_model(), str(os.cpu_count()), str(torch.get_num_threads()), torch.__version__, kernel_sources(),
+                 json.dumps(sorted((k, list(v.shape), str(v.dtype)) for k, v in state.items()))):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:32]
+
+
+def timings_dir() -> Path:
+    """Where a machine keeps the choices it timed (the compile cache's folder): a second compile of
+    the same target, tree and graph takes the choice instead of lowering both graphs again."""
+    return cache_dir() / "products"
+
+
 def measure_all(plans: list, modules: dict, tree, state: dict[str, torch.Tensor], device: str,
-                progress: bool = False) -> dict:
-    """The manifest's `products`: each timed setting's choice (measure), one after the other."""
+                progress: bool = False, bar=None) -> dict:
+    """The manifest's `products`: each timed setting's choice (measure), one after the other, or the
+    choice this machine timed for the same graph before (`timed_before` says when); `bar` (a tqdm
+    bar) advances by one per graph lowered or skipped."""
     out = {}
     for setting, plan in timed_plans(plans, weight_widths(state)).items():
-        out[setting] = measure(setting, plan, modules, tree, state, device, as_choice(out))
+        kept = timings_dir() / f"{timing_key(setting, plan, tree, state, as_choice(out))}.json"
+        if kept.is_file():
+            out[setting] = {**json.loads(kept.read_text()), "timed_before": True}
+            if bar is not None:
+                bar.update(2)
+        else:
+            out[setting] = measure(setting, plan, modules, tree, state, device, as_choice(out), bar)
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            tmp = kept.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(out[setting]))
+            tmp.replace(kept)
         if progress:
             r = out[setting]
-            print(f"{setting.replace('_', '-')} products: {r['product']} ({r['graph']} " + ", ".join(
-                f"{k} {v:.1f} ms" for k, v in r["ms"].items()) + ")", flush=True)
+            line = (f"{setting.replace('_', '-')} products: {r['product']} ({r['graph']} " + ", ".join(
+                f"{k} {v:.1f} ms" for k, v in r["ms"].items()) + (", timed before on this machine" if
+                                                                  r.get("timed_before") else "") + ")")
+            (bar.write if bar is not None else print)(line)
     return out
 
 

@@ -117,6 +117,26 @@ def _(c: Ctx):
                    "--dump-ir", c.root / "ir", "-o", engine_dir(c.root, "ngram"))
 
 
+@job("test_compile_json")
+def _(c: Ctx):
+    return c.specc("compile", c.model, "--drafter", "ngram", "--tree", "chain:2", "--backend", "eager", "--max-len",
+                   "32", "--prefill-chunk", "4", "--modes", "greedy", "--json", "-o", c.root / "compile-json")
+
+
+def test_compile_json(result, jobs):
+    """`specc compile --json`: one JSON line, with the compile's time split by phase and by graph."""
+    assert_ok(result)
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1, result.stdout
+    out = json.loads(lines[0])
+    split = out["compile_split"]
+    assert set(split["graphs"]) == set(out["graphs"]) == {"prefill_greedy", "plain_greedy", "step_greedy"}
+    assert {"load", "capture", "lower", "save"} <= set(split["phases"])
+    assert all(g["capture"] > 0 for g in split["graphs"].values())
+    assert 0 < sum(split["phases"].values()) <= split["total_s"] + 0.1
+    assert split == json.loads((jobs.root / "compile-json" / "specc.json").read_text())["compile_split"]
+
+
 @job("short")
 def _(c: Ctx):
     return c.specc("compile", c.model, "--max-len", "16", "--prefill-chunk", "4", "--backend", "eager",
@@ -431,6 +451,7 @@ def test_inspect_passes_and_tree_png(result):
     for word in ("chain:3", "prefill", "plain", "step", "capture", "tree_inputs", "accept", "compact_kv",
                  "sample_last"):
         assert word in proc.stdout, word
+    assert re.search(r"^compile +compiled in \d+ s: .*capture \d+ s", proc.stdout, re.M), proc.stdout
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 

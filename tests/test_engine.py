@@ -82,6 +82,12 @@ def test_inductor_matches_eager_and_caches(llama_dir, tmp_path, monkeypatch, cap
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", lambda *a, **k: calls.append(1) or real(*a, **k))
     again = specc.compile(root / "llama", backend="inductor", output_dir=tmp_path / "ind2", **kw)
     assert calls == []
+    # the manifest says where the time went: every graph, and here every package from the compile cache
+    split = json.loads((again / "specc.json").read_text())["compile_split"]
+    graphs = json.loads((again / "specc.json").read_text())["graphs"]
+    assert set(split["graphs"]) == set(graphs) and split["cache_hits"] == len(graphs)
+    assert {"load", "capture", "lift", "lower", "save"} <= set(split["phases"]) and "cpp_build" not in split["phases"]
+    assert sum(split["phases"].values()) <= split["total_s"] + 0.1
     names = ["draft_prefill", "draft_step"] + [f"{g}_{m}" for g in ("plain", "prefill", "step")
                                                for m in ("greedy", "top_p")]
     for name in names:

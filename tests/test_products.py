@@ -21,6 +21,7 @@ def test_graphs_timed_both_ways_and_the_faster_kept(tmp_path, monkeypatch, capsy
     model = tiny_model("llama", vocab=64, layers=1, seed=3)  # one layer: five Inductor compiles here
     model.save_pretrained(tmp_path / "m")
     monkeypatch.setattr(products, "MIN_TIMED_BYTES", 0)  # a tiny target is timed too
+    monkeypatch.setattr(products, "timings_dir", lambda: tmp_path / "timings")  # none timed before this test
     # The timing says the opposite of the rule (the C++ product at one row and at many rows on AVX-512
     # CPUs), so the engine can only follow it if the measurement decides.
     faster = "reduction" if rows_linear.float32_kernel() else "cpp"
@@ -47,6 +48,10 @@ def test_graphs_timed_both_ways_and_the_faster_kept(tmp_path, monkeypatch, capsy
     assert {k: (v["product"], v["graph"]) for k, v in m["products"].items()} == {
         "one_row": (faster, "plain_greedy"), "many_rows": (faster, "step_greedy")}
     assert all(set(v["ms"]) == {"cpp", "reduction"} for v in m["products"].values())
+    # the timing's own lowerings are graphs of the compile's time split, beside the engine's
+    timed_graphs = {f"{g} ({k} products, timed)" for g in ("plain_greedy", "step_greedy") for k in ("cpp", "reduction")}
+    assert set(m["compile_split"]["graphs"]) == set(m["graphs"]) | timed_graphs
+    assert m["compile_split"]["phases"]["products"] > 0
     # many rows here: 32-wide rows from 5 (640 bytes > 512), 64-wide from 3; inspect says so
     assert m["products"]["many_rows"]["from_rows"] == {"32": 5, "64": 3}
     # the step graph was timed with the one-row choice already made; the timing restored the rule after
@@ -60,6 +65,15 @@ def test_graphs_timed_both_ways_and_the_faster_kept(tmp_path, monkeypatch, capsy
     for speculate in (True, False):
         res = engine.generate(PROMPT, max_new_tokens=20, stop_at_eos=False, speculate=speculate)
         assert res.token_ids == hf_greedy(model, PROMPT, 20)
+    # compiled again on this machine: the choices timed above are taken, nothing is lowered twice or timed
+    lowered.clear()
+    again = specc.compile(tmp_path / "m", drafter="ngram", tree="chain:4", backend="inductor",
+                          output_dir=tmp_path / "e2", max_len=64, prefill_chunk=8, progress=False, modes="greedy",
+                          ngram_corpus="none")
+    m2 = json.loads((again / "specc.json").read_text())
+    assert len(timed) == 2 and {n for n, *_ in lowered} == set(m2["graphs"])
+    assert m2["products"] == {k: {**v, "timed_before": True} for k, v in m["products"].items()}
+    assert "products" not in m2["compile_split"]["phases"] or m2["compile_split"]["phases"]["products"] < 1
 
 
 def test_small_targets_and_other_backends_keep_the_rule():
