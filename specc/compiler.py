@@ -117,7 +117,7 @@ def compile_engine(cfg: CompileConfig, clock: compile_clock.CompileClock) -> Pat
         # tensorrt: the graphs are exported on this machine's CPU and built on the GPU machine
         build_device = "cpu" if get_backend(cfg.backend).built_later else cfg.device
         states = move_states(modules.states(), build_device)
-        built, graphs, timed = {}, {}, None
+        timed = None
         timing = products.applies(cfg, weight_bytes(modules.target), cpu_kernels_used(cfg))
         # one bar over every lowering: the graphs, and before them the products' timing graphs (two per setting)
         bar = tqdm(total=len(plans) + (2 * len(products.timed_plans(plans, products.weight_widths(states["target"])))
@@ -128,26 +128,8 @@ def compile_engine(cfg: CompileConfig, clock: compile_clock.CompileClock) -> Pat
             with compile_clock.remainder("products"):
                 timed = products.measure_all(plans, modules.by_name(), tree, states["target"], build_device,
                                              cfg.progress, bar)
-        seconds = {}  # per graph, capture to lowered: the manifest's compile_s
         with kernel_choice(**products.as_choice(timed)):
-            for plan in plans:
-                bar.set_postfix_str(plan.name)
-                t0 = time.perf_counter()
-                with compile_clock.building(plan.name):
-                    with compile_clock.phase("capture"):
-                        ep = built[plan.name] = build_program(plan, modules.by_name(), built, tree,
-                                                              Path(cfg.dump_ir) if cfg.dump_ir else None)
-                    args = example_inputs(ep)
-                    with compile_clock.remainder("lower"):
-                        lowered = lower_graph(cfg.backend, ep, states[plan.module], stage, plan.name, args,
-                                              build_device)
-                graphs[plan.name] = Graph.from_json({
-                    "module": plan.module, "tokens": plan.T, "inputs": [[list(a.shape), str(a.dtype)] for a in args],
-                    "mode": plan.mode, "passes": plan.passes, **lowered})
-                seconds[plan.name] = round(time.perf_counter() - t0, 2)
-                bar.update()
-                if cfg.on_graph is not None:
-                    cfg.on_graph(plan.name, seconds[plan.name])
+            graphs, seconds = build_graphs(cfg, plans, modules, tree, states, stage, build_device, bar)
         bar.close()
         if cfg.dump_ir:  # the shared first stages were copied into each graph's dump
             shutil.rmtree(Path(cfg.dump_ir) / ".base", ignore_errors=True)
@@ -168,6 +150,31 @@ def compile_engine(cfg: CompileConfig, clock: compile_clock.CompileClock) -> Pat
             print(split_line(manifest.compile_split), flush=True)
         write(stage, manifest)  # the one write, once the engine is measured
     return out
+
+
+def build_graphs(cfg: CompileConfig, plans: list, modules: EngineModules, tree: Tree, states: dict, stage: Path,
+                 device: str, bar) -> tuple[dict, dict]:
+    """Capture, run the passes on and lower every plan into `stage`, in order (a plan may build on an
+    earlier one's program); returns ({name: Graph}, {name: seconds}: the manifest's compile_s)."""
+    built, graphs, seconds = {}, {}, {}
+    for plan in plans:
+        bar.set_postfix_str(plan.name)
+        t0 = time.perf_counter()
+        with compile_clock.building(plan.name):
+            with compile_clock.phase("capture"):
+                ep = built[plan.name] = build_program(plan, modules.by_name(), built, tree,
+                                                      Path(cfg.dump_ir) if cfg.dump_ir else None)
+            args = example_inputs(ep)
+            with compile_clock.remainder("lower"):
+                lowered = lower_graph(cfg.backend, ep, states[plan.module], stage, plan.name, args, device)
+        graphs[plan.name] = Graph.from_json({
+            "module": plan.module, "tokens": plan.T, "inputs": [[list(a.shape), str(a.dtype)] for a in args],
+            "mode": plan.mode, "passes": plan.passes, **lowered})
+        seconds[plan.name] = round(time.perf_counter() - t0, 2)
+        bar.update()
+        if cfg.on_graph is not None:
+            cfg.on_graph(plan.name, seconds[plan.name])
+    return graphs, seconds
 
 
 def split_line(split: dict) -> str:
