@@ -13,7 +13,7 @@ Usage: python examples/bench_compile.py [--engines ngram-chain4,demo,dspark,int8
 """
 import argparse
 import contextlib
-import json
+import itertools
 import os
 import shutil
 import tempfile
@@ -84,16 +84,20 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown engine {unknown[0]!r}; choose from {', '.join(ENGINES)}")
     quiet_libraries()
-    runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            runs[name] = []
-            for r in range(a.rounds):
+        rounds = {name: itertools.count(1) for name in names}
+
+        def arm(name: str):
+            def compile_round() -> dict:
+                r = next(rounds[name])
                 s = compile_once(name, ENGINES[name], a.cold, a.max_len, a.modes, Path(tmp) / f"{name}-{r}")
-                runs[name].append(s)
-                print(f"{name} round {r + 1}: {s['seconds']:.0f} s, {s['engine_graphs']} graphs "
-                      f"({len(s['graphs'])} lowered with the products' timing, {s['cache_hits']} from the cache)",
-                      flush=True)
+                print(f"{name} round {r}: {s['seconds']:.0f} s, {s['engine_graphs']} graphs ({len(s['graphs'])} "
+                      f"lowered with the products' timing, {s['cache_hits']} from the cache)", flush=True)
+                return s
+            return compile_round
+
+        results = harness.paired({name: arm(name) for name in names}, a.rounds, warmup=0)
+    runs = {name: harness.values(results[name]) for name in names}
     splits = [s for rs in runs.values() for s in rs]
     phases = phase_order(splits)
     rows = []
